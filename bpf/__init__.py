@@ -1,0 +1,1 @@
+"""BPF C sources, shipped as package data and compiled by bcc at start-up."""
