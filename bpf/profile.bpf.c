@@ -1,0 +1,244 @@
+/* Stack sampler: runs on every CPU at each perf-event tick.
+ *
+ * Per sample it records the kernel stack (stack map), the user stack by a
+ * frame-pointer walk that keeps every frame's stack address (so trampoline
+ * frames found by other means can be merged in call order later), and counts
+ * the (process, kernel stack, user stack) triple in a hash map. Only unique
+ * stacks cross to user space.
+ *
+ * Double buffering: the daemon flips config.active_buffer, waits for running
+ * programs to finish, then drains the other buffer while this program keeps
+ * writing the new one. Count and user-stack keys carry the buffer number;
+ * kernel stacks have one stack map per buffer.
+ *
+ * Kernel struct fields are read at offsets from the running kernel's BTF,
+ * passed in as -D constants (TP_OFF_*), never from compiled-in headers.
+ */
+#include <uapi/linux/bpf_perf_event.h>
+#include <linux/sched.h>
+#include "tramprof.h"
+
+#ifndef TP_MAX_KEYS
+#define TP_MAX_KEYS 16384
+#endif
+#ifndef TP_MAX_USTACKS
+#define TP_MAX_USTACKS 16384
+#endif
+#ifndef TP_MAX_KSTACKS
+#define TP_MAX_KSTACKS 8192
+#endif
+#ifndef TP_MAX_TARGETS
+#define TP_MAX_TARGETS 4096
+#endif
+
+#define TP_PF_KTHREAD 0x00200000
+
+struct tp_count_key {
+    struct tp_sample_key sample;
+    __u32 buffer;
+    __u32 pad;
+};
+
+struct tp_ustack_key {
+    __u64 hash;
+    __u32 buffer;
+    __u32 pad;
+};
+
+BPF_ARRAY(config, struct tp_config, 1);
+BPF_HASH(target_pids, __u32, __u8, TP_MAX_TARGETS);
+BPF_PERCPU_ARRAY(counters, __u64, TP_CNT_MAX);
+BPF_PERCPU_ARRAY(scratch, struct tp_user_stack, 1);
+BPF_HASH(counts, struct tp_count_key, __u64, TP_MAX_KEYS);
+BPF_F_TABLE("hash", struct tp_ustack_key, struct tp_user_stack, ustacks, TP_MAX_USTACKS,
+            BPF_F_NO_PREALLOC);
+BPF_STACK_TRACE(kstacks0, TP_MAX_KSTACKS);
+BPF_STACK_TRACE(kstacks1, TP_MAX_KSTACKS);
+
+static __always_inline void bump(__u32 counter)
+{
+    __u64 *value = counters.lookup(&counter);
+    if (value)
+        *value += 1; /* per-CPU slot: no atomics needed */
+}
+
+static __always_inline __u64 read_u64(const void *addr)
+{
+    __u64 value = 0;
+    bpf_probe_read_kernel(&value, sizeof(value), addr);
+    return value;
+}
+
+/* Mixing steps of two independent 64-bit hashes over the return addresses. */
+static __always_inline __u64 mix_a(__u64 h, __u64 v)
+{
+    h = (h ^ v) * 0x9E3779B97F4A7C15ULL;
+    return h ^ (h >> 29);
+}
+
+static __always_inline __u64 mix_b(__u64 h, __u64 v)
+{
+    h = (h + v) * 0xC2B2AE3D27D4EB4FULL;
+    return (h << 31) | (h >> 33);
+}
+
+/* User registers at the moment of the sample: the interrupted registers in
+ * user mode, the task's saved user registers when the sample hit the kernel. */
+static __always_inline int user_regs(struct bpf_perf_event_data *ctx, __u64 *ip, __u64 *sp,
+                                     __u64 *bp)
+{
+    __u64 pc = PT_REGS_IP(&ctx->regs);
+    if (!(pc >> 63)) {
+        *ip = pc;
+        *sp = PT_REGS_SP(&ctx->regs);
+        *bp = PT_REGS_FP(&ctx->regs);
+        return 0;
+    }
+    struct task_struct *task = bpf_get_current_task_btf();
+    void *regs = (void *)bpf_task_pt_regs(task);
+    if (!regs)
+        return -1;
+    *ip = read_u64(regs + TP_OFF_PT_REGS_IP);
+    *sp = read_u64(regs + TP_OFF_PT_REGS_SP);
+    *bp = read_u64(regs + TP_OFF_PT_REGS_BP);
+    return *ip ? 0 : -1;
+}
+
+/* Frame-pointer walk. Each record at fp holds (caller's fp, return address);
+ * the stack grows down, so every caller's record lies above the callee's. */
+static __always_inline void walk_user(struct tp_user_stack *st, __u64 ip, __u64 sp, __u64 fp,
+                                      __u64 *hash)
+{
+    __u64 h = mix_a(0, ip), check = mix_b(0, ip);
+    __u64 prev = sp;
+    __u32 n = 1;
+
+    st->frames[0].ip = ip;
+    st->frames[0].sp = sp;
+    st->flags = 0;
+
+#pragma unroll 1
+    for (int i = 1; i < TP_MAX_FRAMES; i++) {
+        if (fp == 0)
+            break;
+        if (fp < prev || (fp & 7)) {
+            st->flags |= TP_USTACK_FAULT;
+            break;
+        }
+        __u64 record[2];
+        if (bpf_probe_read_user(record, sizeof(record), (void *)fp)) {
+            st->flags |= TP_USTACK_FAULT;
+            break;
+        }
+        if (record[1] == 0)
+            break;
+        st->frames[i].ip = record[1];
+        st->frames[i].sp = fp;
+        h = mix_a(h, record[1]);
+        check = mix_b(check, record[1]);
+        n = i + 1;
+        prev = fp + 16;
+        fp = record[0];
+    }
+    if (n >= TP_MAX_FRAMES && fp != 0)
+        st->flags |= TP_USTACK_TRUNCATED;
+    st->nr = n;
+    st->check = check;
+    *hash = h | 1; /* never 0: 0 means "no user stack" */
+}
+
+int on_sample(struct bpf_perf_event_data *ctx)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tgid = pid_tgid >> 32;
+    __u32 zero = 0;
+
+    bump(TP_CNT_SAMPLES);
+    if (tgid == 0) {
+        bump(TP_CNT_IDLE);
+        return 0;
+    }
+    struct tp_config *cfg = config.lookup(&zero);
+    if (!cfg)
+        return 0;
+    if (cfg->filter_pids && !target_pids.lookup(&tgid)) {
+        bump(TP_CNT_FILTERED);
+        return 0;
+    }
+    __u32 buffer = cfg->active_buffer & 1;
+
+    struct tp_count_key key = {};
+    key.buffer = buffer;
+    key.sample.tgid = tgid;
+    bpf_get_current_comm(&key.sample.comm, sizeof(key.sample.comm));
+
+    void *task = (void *)bpf_get_current_task();
+    void *leader = (void *)read_u64(task + TP_OFF_TASK_GROUP_LEADER);
+    key.sample.start_boottime = read_u64(leader + TP_OFF_TASK_START_BOOTTIME);
+#if TP_SIZE_TASK_SELF_EXEC_ID == 8
+    key.sample.exec_id = read_u64(leader + TP_OFF_TASK_SELF_EXEC_ID);
+#else
+    __u32 exec_id32 = 0;
+    bpf_probe_read_kernel(&exec_id32, sizeof(exec_id32), leader + TP_OFF_TASK_SELF_EXEC_ID);
+    key.sample.exec_id = exec_id32;
+#endif
+
+    /* Kernel stack only when the sample interrupted kernel code. */
+    key.sample.kstack_id = TP_NO_KSTACK;
+    if (PT_REGS_IP(&ctx->regs) >> 63) {
+        int id = buffer ? kstacks1.get_stackid(ctx, 0) : kstacks0.get_stackid(ctx, 0);
+        if (id >= 0 || id == -EFAULT) {
+            key.sample.kstack_id = id < 0 ? TP_NO_KSTACK : id;
+        } else {
+            /* The kernel part is lost; the key keeps the reason (-errno). */
+            key.sample.kstack_id = id;
+            bump(id == -EEXIST ? TP_CNT_KSTACK_COLLISION : TP_CNT_KSTACK_ERROR);
+        }
+    }
+
+    __u32 task_flags = 0;
+    bpf_probe_read_kernel(&task_flags, sizeof(task_flags), task + TP_OFF_TASK_FLAGS);
+    __u64 ip = 0, sp = 0, fp = 0;
+    if (task_flags & TP_PF_KTHREAD) {
+        bump(TP_CNT_KERNEL_THREAD);
+    } else if (user_regs(ctx, &ip, &sp, &fp) == 0) {
+        struct tp_user_stack *st = scratch.lookup(&zero);
+        if (!st)
+            return 0;
+        __u64 hash = 0;
+        walk_user(st, ip, sp, fp, &hash);
+        if (st->flags & TP_USTACK_FAULT)
+            bump(TP_CNT_USTACK_FAULT);
+        if (st->flags & TP_USTACK_TRUNCATED)
+            bump(TP_CNT_USTACK_TRUNCATED);
+
+        struct tp_ustack_key skey = {.hash = hash, .buffer = buffer};
+        struct tp_user_stack *stored = ustacks.lookup(&skey);
+        if (stored) {
+            if (stored->check != st->check || stored->nr != st->nr) {
+                bump(TP_CNT_LOST_USTACK_COLLISION);
+                return 0;
+            }
+        } else if (ustacks.update(&skey, st) != 0) {
+            bump(TP_CNT_LOST_USTACKS_FULL);
+            return 0;
+        }
+        key.sample.ustack_hash = hash;
+    }
+
+    __u64 one = 1;
+    __u64 *count = counts.lookup(&key);
+    if (count) {
+        __sync_fetch_and_add(count, 1);
+    } else if (counts.update(&key, &one) != 0) {
+        /* Another CPU may have inserted the key meanwhile; retry once. */
+        count = counts.lookup(&key);
+        if (!count) {
+            bump(TP_CNT_LOST_COUNTS_FULL);
+            return 0;
+        }
+        __sync_fetch_and_add(count, 1);
+    }
+    bump(TP_CNT_RECORDED);
+    return 0;
+}

@@ -1,0 +1,66 @@
+/* Records shared by the BPF programs and the daemon.
+ *
+ * Every struct here has a ctypes mirror in daemon/tramprof/bpf_layout.py and
+ * a test that compiles this header and compares sizes and offsets, so the two
+ * sides cannot drift apart silently. Only fixed-width types, explicit padding.
+ */
+#ifndef TRAMPROF_H
+#define TRAMPROF_H
+
+/* Deepest user stack recorded; deeper stacks are cut and flagged. */
+#define TP_MAX_FRAMES 127
+#define TP_COMM_LEN 16
+
+/* tp_sample_key.kstack_id when the sample has no kernel part. Any other
+ * negative value is a lost kernel stack: -errno of bpf_get_stackid(). */
+#define TP_NO_KSTACK (-1)
+
+/* Bits of tp_user_stack.flags. */
+#define TP_USTACK_TRUNCATED 0x1   /* depth limit reached with frames left */
+#define TP_USTACK_FAULT 0x2       /* a frame record could not be read */
+#define TP_USTACK_NO_USER 0x4     /* kernel thread or no user registers */
+
+/* Indexes of the per-CPU counters array (cumulative, never reset). */
+enum tp_counter {
+    TP_CNT_SAMPLES = 0,          /* program invocations */
+    TP_CNT_RECORDED,             /* samples counted in a buffer */
+    TP_CNT_IDLE,                 /* CPU idle (pid 0): not a process */
+    TP_CNT_FILTERED,             /* not a target pid */
+    TP_CNT_LOST_COUNTS_FULL,     /* count map full: sample lost */
+    TP_CNT_LOST_USTACKS_FULL,    /* user stack map full: sample lost */
+    TP_CNT_LOST_USTACK_COLLISION,/* two user stacks, one hash: sample lost */
+    TP_CNT_KSTACK_COLLISION,     /* kernel stack map -EEXIST: kernel part lost */
+    TP_CNT_KSTACK_ERROR,         /* kernel stack other error: kernel part lost */
+    TP_CNT_USTACK_FAULT,         /* user walk stopped on an unreadable frame */
+    TP_CNT_USTACK_TRUNCATED,     /* user walk hit TP_MAX_FRAMES */
+    TP_CNT_KERNEL_THREAD,        /* sample in a kernel thread */
+    TP_CNT_MAX
+};
+
+struct tp_config {
+    __u32 active_buffer;   /* 0 or 1: which buffer the programs write */
+    __u32 filter_pids;     /* 1: record only tgids present in target_pids */
+};
+
+struct tp_frame {
+    __u64 ip;   /* leaf: sampled pc; others: return address */
+    __u64 sp;   /* stack address of the frame (leaf: sp, others: frame pointer) */
+};
+
+struct tp_user_stack {
+    __u32 nr;
+    __u32 flags;
+    __u64 check;   /* second, independent hash: detects key collisions */
+    struct tp_frame frames[TP_MAX_FRAMES];
+};
+
+struct tp_sample_key {
+    __u32 tgid;
+    __s32 kstack_id;        /* >= 0: id in the buffer's kstacks map */
+    __u64 start_boottime;   /* group leader's start, ns since boot */
+    __u64 exec_id;          /* group leader's self_exec_id: changes on exec */
+    __u64 ustack_hash;      /* 0: no user stack */
+    char comm[TP_COMM_LEN]; /* thread name */
+};
+
+#endif

@@ -1,0 +1,78 @@
+"""ctypes mirrors of the records in ``bpf/tramprof.h``.
+
+The BPF side writes these; the daemon reads them with exactly these layouts.
+``tests/unit/test_bpf_layout.py`` compiles the header and checks every size,
+offset and constant against this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+
+MAX_FRAMES = 127
+COMM_LEN = 16
+
+USTACK_TRUNCATED = 0x1
+USTACK_FAULT = 0x2
+USTACK_NO_USER = 0x4
+
+
+class Counter(enum.IntEnum):
+    """Per-CPU counters kept by the BPF program (``enum tp_counter``)."""
+
+    SAMPLES = 0
+    RECORDED = 1
+    IDLE = 2
+    FILTERED = 3
+    LOST_COUNTS_FULL = 4
+    LOST_USTACKS_FULL = 5
+    LOST_USTACK_COLLISION = 6
+    KSTACK_COLLISION = 7
+    KSTACK_ERROR = 8
+    USTACK_FAULT = 9
+    USTACK_TRUNCATED = 10
+    KERNEL_THREAD = 11
+
+
+COUNTER_COUNT = len(Counter)
+
+
+class Config(ctypes.Structure):
+    _fields_ = [("active_buffer", ctypes.c_uint32), ("filter_pids", ctypes.c_uint32)]
+
+
+class Frame(ctypes.Structure):
+    _fields_ = [("ip", ctypes.c_uint64), ("sp", ctypes.c_uint64)]
+
+
+class UserStack(ctypes.Structure):
+    _fields_ = [
+        ("nr", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("check", ctypes.c_uint64),
+        ("frames", Frame * MAX_FRAMES),
+    ]
+
+
+class SampleKey(ctypes.Structure):
+    _fields_ = [
+        ("tgid", ctypes.c_uint32),
+        ("kstack_id", ctypes.c_int32),
+        ("start_boottime", ctypes.c_uint64),
+        ("exec_id", ctypes.c_uint64),
+        ("ustack_hash", ctypes.c_uint64),
+        ("comm", ctypes.c_char * COMM_LEN),
+    ]
+
+
+class CountKey(ctypes.Structure):
+    """Key of the ``counts`` map (defined in profile.bpf.c)."""
+
+    _fields_ = [("sample", SampleKey), ("buffer", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+
+
+class UserStackKey(ctypes.Structure):
+    """Key of the ``ustacks`` map (defined in profile.bpf.c)."""
+
+    _fields_ = [("hash", ctypes.c_uint64), ("buffer", ctypes.c_uint32), ("pad", ctypes.c_uint32)]

@@ -1,0 +1,299 @@
+"""Loads the stack-sampling BPF program, attaches it to every CPU, drains it.
+
+Counting happens in the kernel; each drain moves only unique stacks and their
+counts to user space. Two buffers alternate so a drain never races the
+programs still writing: the daemon flips the active buffer, waits for
+programs that started before the flip to finish, then reads and deletes the
+idle buffer's entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.resources
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tramprof import bpf_layout
+from tramprof.bpf_layout import Counter
+from tramprof.btf import VMLINUX_BTF, KernelBtf
+
+log = logging.getLogger(__name__)
+
+# A BPF program runs for tens of microseconds at most; after this long every
+# program that read the old buffer number has finished.
+DRAIN_GRACE_SECONDS = 0.005
+
+NO_KSTACK = -1
+
+# Kernel fields the program reads, by -D name; offsets come from BTF.
+_BTF_FIELDS = {
+    "TASK_GROUP_LEADER": "task_struct.group_leader",
+    "TASK_START_BOOTTIME": "task_struct.start_boottime",
+    "TASK_SELF_EXEC_ID": "task_struct.self_exec_id",
+    "TASK_FLAGS": "task_struct.flags",
+    "PT_REGS_IP": "pt_regs.ip",
+    "PT_REGS_SP": "pt_regs.sp",
+    "PT_REGS_BP": "pt_regs.bp",
+}
+
+EVENTS = ("auto", "cycles", "cpu-clock")
+
+
+class SamplerError(RuntimeError):
+    """The BPF program could not be built, loaded or attached."""
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    frequency: int = 99
+    event: str = "auto"
+    max_keys: int = 16384
+    max_user_stacks: int = 16384
+    max_kernel_stacks: int = 8192
+    max_targets: int = 4096
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.frequency <= 10000:
+            raise ValueError(f"frequency must be 1..10000 Hz, got {self.frequency}")
+        if self.event not in EVENTS:
+            raise ValueError(f"event must be one of {', '.join(EVENTS)}, got {self.event!r}")
+
+
+@dataclass(frozen=True)
+class RawSample:
+    """One unique (process, thread name, kernel stack, user stack) and its count."""
+
+    tgid: int
+    start_boottime_ns: int
+    exec_id: int
+    comm: str
+    user_frames: tuple[tuple[int, int], ...]  # (ip, stack address), leaf first
+    user_flags: int
+    kernel_ips: tuple[int, ...]  # leaf first
+    kernel_error: int  # 0, or -errno when the kernel part was lost
+    count: int
+
+
+def bpf_source_dir() -> str:
+    return str(importlib.resources.files("tramprof.bpf"))
+
+
+def build_cflags(config: SamplerConfig, btf_path: str = VMLINUX_BTF) -> list[str]:
+    """Compiler flags: include path, map sizes, kernel field offsets from BTF."""
+    flags = [
+        f"-I{bpf_source_dir()}",
+        f"-DTP_MAX_KEYS={config.max_keys}",
+        f"-DTP_MAX_USTACKS={config.max_user_stacks}",
+        f"-DTP_MAX_KSTACKS={config.max_kernel_stacks}",
+        f"-DTP_MAX_TARGETS={config.max_targets}",
+    ]
+    with KernelBtf(btf_path) as btf:
+        for macro, path in _BTF_FIELDS.items():
+            field = btf.field(path)
+            flags.append(f"-DTP_OFF_{macro}={field.offset}")
+            if macro == "TASK_SELF_EXEC_ID":
+                flags.append(f"-DTP_SIZE_{macro}={field.size}")
+    return flags
+
+
+def program_source() -> str:
+    return (importlib.resources.files("tramprof.bpf") / "profile.bpf.c").read_text()
+
+
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator[list[str]]:
+    """Capture what bcc/clang/the verifier print on fd 2 so errors can quote it."""
+    captured: list[str] = []
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            captured.append(tmp.read().decode(errors="replace"))
+
+
+def _load_hint(log_text: str) -> str:
+    if "linux/" in log_text and "file not found" in log_text:
+        return ("kernel headers are missing: run `make setup` (installs linux-headers and links "
+                "them under /lib/modules/$(uname -r)/build)")
+    if "Permission denied" in log_text or "Operation not permitted" in log_text:
+        return "loading BPF needs root or CAP_BPF + CAP_PERFMON"
+    if "invalid" in log_text or "R" in log_text and "!read_ok" in log_text:
+        return ("the kernel's verifier rejected the program; the log above says at which "
+                "instruction — report it together with `uname -r`")
+    return "see the compiler / verifier output above"
+
+
+class Sampler:
+    """The loaded BPF sampler. Not thread-safe: one owner drains it."""
+
+    def __init__(self, config: SamplerConfig, btf_path: str = VMLINUX_BTF) -> None:
+        self.config = config
+        self._btf_path = btf_path
+        self._bpf: Any = None
+        self._active = 0
+        self._filter: list[int] | None = None
+        self.event_name = ""
+
+    def start(self) -> None:
+        from bcc import BPF  # imported late: the unit tests and `doctor` run without it
+
+        cflags = build_cflags(self.config, self._btf_path)
+        text = program_source()
+        with _captured_stderr() as out:
+            try:
+                self._bpf = BPF(text=text.encode(), cflags=cflags)
+            except Exception as exc:
+                failure: Exception | None = exc
+            else:
+                failure = None
+        output = out[0] if out else ""
+        if failure is not None:
+            tail = "\n".join(output.strip().splitlines()[-40:])
+            raise SamplerError(f"BPF program failed to load: {failure}\n{tail}\n"
+                               f"hint: {_load_hint(output)}") from failure
+        if output.strip():
+            log.debug("bcc compiler output:\n%s", output)
+        self._write_config()
+        self._attach()
+
+    def _attach(self) -> None:
+        from bcc import PerfHWConfig, PerfSWConfig, PerfType
+
+        candidates = {
+            "cycles": (PerfType.HARDWARE, PerfHWConfig.CPU_CYCLES),
+            "cpu-clock": (PerfType.SOFTWARE, PerfSWConfig.CPU_CLOCK),
+        }
+        order = ["cycles", "cpu-clock"] if self.config.event == "auto" else [self.config.event]
+        errors = []
+        for name in order:
+            ev_type, ev_config = candidates[name]
+            with _captured_stderr() as out:
+                try:
+                    self._bpf.attach_perf_event(ev_type=ev_type, ev_config=ev_config,
+                                                fn_name=b"on_sample",
+                                                sample_freq=self.config.frequency)
+                except Exception as exc:
+                    failure: Exception | None = exc
+                else:
+                    failure = None
+            if failure is not None:
+                detail = (out[0].strip() if out else "") or str(failure)
+                errors.append(f"{name}: {detail}")
+                log.debug("perf event %s unavailable: %s", name, detail)
+                continue
+            self.event_name = name
+            log.info("sampling on %s at %d Hz on every CPU", name, self.config.frequency)
+            return
+        raise SamplerError("cannot attach to any perf event: " + "; ".join(errors))
+
+    def _write_config(self) -> None:
+        cfg = bpf_layout.Config(active_buffer=self._active,
+                                filter_pids=1 if self._filter is not None else 0)
+        table = self._bpf.get_table("config", keytype=ctypes.c_int, leaftype=bpf_layout.Config)
+        table[ctypes.c_int(0)] = cfg
+
+    def set_targets(self, pids: Iterable[int] | None) -> None:
+        """Sample only these processes (None: all). Takes effect without reloading."""
+        targets = self._bpf["target_pids"]
+        wanted = None if pids is None else sorted(set(pids))
+        if wanted is not None and len(wanted) > self.config.max_targets:
+            raise SamplerError(f"{len(wanted)} target pids exceed max_targets "
+                               f"({self.config.max_targets})")
+        for key in list(targets.keys()):
+            if wanted is None or key.value not in wanted:
+                del targets[key]
+        for pid in wanted or ():
+            targets[targets.Key(pid)] = targets.Leaf(1)
+        self._filter = wanted
+        self._write_config()
+
+    def counters(self) -> dict[Counter, int]:
+        """Cumulative BPF-side counters, summed over CPUs."""
+        table = self._bpf["counters"]
+        return {c: int(sum(table.getvalue(table.Key(c.value)))) for c in Counter}
+
+    def drain(self) -> list[RawSample]:
+        """Swap buffers and return what the idle one collected, emptying it."""
+        old = self._active
+        self._active = 1 - old
+        self._write_config()
+        time.sleep(DRAIN_GRACE_SECONDS)
+
+        counts = self._bpf.get_table("counts", keytype=bpf_layout.CountKey,
+                                     leaftype=ctypes.c_uint64)
+        ustacks = self._bpf.get_table("ustacks", keytype=bpf_layout.UserStackKey,
+                                      leaftype=bpf_layout.UserStack)
+        kstacks = self._bpf[f"kstacks{old}"]
+
+        entries = [(bytes(k), k.sample, int(v.value)) for k, v in counts.items()
+                   if k.buffer == old]
+        user_cache: dict[int, tuple[tuple[tuple[int, int], ...], int]] = {}
+        kernel_cache: dict[int, tuple[int, ...]] = {}
+        samples = []
+        for _raw, key, count in entries:
+            user: tuple[tuple[int, int], ...] = ()
+            flags = bpf_layout.USTACK_NO_USER
+            if key.ustack_hash:
+                if key.ustack_hash not in user_cache:
+                    user_cache[key.ustack_hash] = self._read_user_stack(ustacks, key.ustack_hash,
+                                                                        old)
+                user, flags = user_cache[key.ustack_hash]
+            kernel: tuple[int, ...] = ()
+            kernel_error = 0
+            if key.kstack_id >= 0:
+                if key.kstack_id not in kernel_cache:
+                    kernel_cache[key.kstack_id] = tuple(kstacks.walk(key.kstack_id))
+                kernel = kernel_cache[key.kstack_id]
+            elif key.kstack_id != NO_KSTACK:
+                kernel_error = key.kstack_id
+            samples.append(RawSample(
+                tgid=key.tgid, start_boottime_ns=key.start_boottime, exec_id=key.exec_id,
+                comm=key.comm.decode(errors="replace"), user_frames=user, user_flags=flags,
+                kernel_ips=kernel, kernel_error=kernel_error, count=count))
+
+        for raw, _key, _count in entries:
+            with contextlib.suppress(KeyError):
+                del counts[bpf_layout.CountKey.from_buffer_copy(raw)]
+        for skey in [k for k in ustacks.keys() if k.buffer == old]:
+            with contextlib.suppress(KeyError):
+                del ustacks[skey]
+        for stack_id in kernel_cache:
+            with contextlib.suppress(KeyError):
+                del kstacks[kstacks.Key(stack_id)]
+        return samples
+
+    @staticmethod
+    def _read_user_stack(table: Any, stack_hash: int,
+                         buffer: int) -> tuple[tuple[tuple[int, int], ...], int]:
+        try:
+            stack = table[bpf_layout.UserStackKey(hash=stack_hash, buffer=buffer)]
+        except KeyError:
+            return (), bpf_layout.USTACK_FAULT
+        n = min(int(stack.nr), bpf_layout.MAX_FRAMES)
+        frames = tuple((int(stack.frames[i].ip), int(stack.frames[i].sp)) for i in range(n))
+        return frames, int(stack.flags)
+
+    def close(self) -> None:
+        """Detach every perf event and unload the program and its maps."""
+        if self._bpf is not None:
+            self._bpf.cleanup()
+            self._bpf = None
+
+    def __enter__(self) -> Sampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
