@@ -22,7 +22,7 @@ from typing import Any
 
 from tramprof import bpf_layout
 from tramprof.bpf_layout import Counter
-from tramprof.btf import VMLINUX_BTF, KernelBtf
+from tramprof.btf import VMLINUX_BTF, BtfError, KernelBtf
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,10 @@ class Sampler:
     def start(self) -> None:
         from bcc import BPF  # imported late: the unit tests and `doctor` run without it
 
-        cflags = build_cflags(self.config, self._btf_path)
+        try:
+            cflags = build_cflags(self.config, self._btf_path)
+        except BtfError as exc:
+            raise SamplerError(f"cannot read kernel BTF: {exc}") from exc
         text = program_source()
         with _captured_stderr() as out:
             try:
@@ -201,12 +204,12 @@ class Sampler:
     def _write_config(self) -> None:
         cfg = bpf_layout.Config(active_buffer=self._active,
                                 filter_pids=1 if self._filter is not None else 0)
-        table = self._bpf.get_table("config", keytype=ctypes.c_int, leaftype=bpf_layout.Config)
+        table = self._bpf.get_table(b"config", keytype=ctypes.c_int, leaftype=bpf_layout.Config)
         table[ctypes.c_int(0)] = cfg
 
     def set_targets(self, pids: Iterable[int] | None) -> None:
         """Sample only these processes (None: all). Takes effect without reloading."""
-        targets = self._bpf["target_pids"]
+        targets = self._bpf[b"target_pids"]
         wanted = None if pids is None else sorted(set(pids))
         if wanted is not None and len(wanted) > self.config.max_targets:
             raise SamplerError(f"{len(wanted)} target pids exceed max_targets "
@@ -221,7 +224,7 @@ class Sampler:
 
     def counters(self) -> dict[Counter, int]:
         """Cumulative BPF-side counters, summed over CPUs."""
-        table = self._bpf["counters"]
+        table = self._bpf[b"counters"]
         return {c: int(sum(table.getvalue(table.Key(c.value)))) for c in Counter}
 
     def drain(self) -> list[RawSample]:
@@ -231,11 +234,11 @@ class Sampler:
         self._write_config()
         time.sleep(DRAIN_GRACE_SECONDS)
 
-        counts = self._bpf.get_table("counts", keytype=bpf_layout.CountKey,
+        counts = self._bpf.get_table(b"counts", keytype=bpf_layout.CountKey,
                                      leaftype=ctypes.c_uint64)
-        ustacks = self._bpf.get_table("ustacks", keytype=bpf_layout.UserStackKey,
+        ustacks = self._bpf.get_table(b"ustacks", keytype=bpf_layout.UserStackKey,
                                       leaftype=bpf_layout.UserStack)
-        kstacks = self._bpf[f"kstacks{old}"]
+        kstacks = self._bpf[f"kstacks{old}".encode()]
 
         entries = [(bytes(k), k.sample, int(v.value)) for k, v in counts.items()
                    if k.buffer == old]

@@ -1,0 +1,5 @@
+import sys
+
+from tramprof.cli import main
+
+sys.exit(main())

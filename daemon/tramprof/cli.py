@@ -1,0 +1,123 @@
+"""Command line: ``tramprof run | record | doctor | metrics``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import replace
+
+from tramprof import __version__
+from tramprof.config import Config, ConfigError, load_file
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _add_pids(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pid", "-p", dest="pids", type=int, nargs="+", action="extend",
+                        metavar="PID", help="profile only these processes (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tramprof", description=(
+        "Continuous CPU profiler: eBPF stack sampling that unwinds through JIT trampolines."))
+    parser.add_argument("--version", action="version", version=f"tramprof {__version__}")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the daemon: sample continuously, serve /metrics")
+    run.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    run.add_argument("--listen", metavar="HOST:PORT", help="HTTP address (default "
+                     "127.0.0.1:9947)")
+    run.add_argument("--frequency", "-F", type=int, metavar="HZ",
+                     help="samples per second per CPU (default 99)")
+    run.add_argument("--interval", type=_positive_float, metavar="SECONDS",
+                     help="how often the in-kernel buffers are drained (default 10)")
+    run.add_argument("--event", choices=("auto", "cycles", "cpu-clock"))
+    _add_pids(run)
+    run.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
+
+    record = sub.add_parser("record", help="profile for a while and print the stacks")
+    target = record.add_mutually_exclusive_group()
+    _add_pids(target)
+    target.add_argument("--all", "-a", action="store_true", help="all processes (default)")
+    record.add_argument("--duration", "-d", type=_positive_float, default=10.0,
+                        metavar="SECONDS", help="how long to sample (default 10)")
+    record.add_argument("--frequency", "-F", type=int, default=99, metavar="HZ",
+                        help="samples per second per CPU (default 99)")
+    record.add_argument("--format", "-f", choices=("folded",), default="folded",
+                        help="output format (default folded: comm;root;...;leaf COUNT)")
+    record.add_argument("--output", "-o", metavar="FILE", help="write here instead of stdout")
+    record.add_argument("--event", choices=("auto", "cycles", "cpu-clock"), default="auto")
+
+    doctor = sub.add_parser("doctor", help="check the host (and a process) for profiling")
+    doctor.add_argument("--pid", "-p", type=int, help="also explain this process")
+
+    sub.add_parser("metrics", help="print the table of exported metric families (Markdown)")
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _run_config(args: argparse.Namespace) -> Config:
+    config = load_file(args.config) if args.config else Config()
+    overrides = {
+        "listen": args.listen, "frequency": args.frequency, "interval": args.interval,
+        "event": args.event, "log_level": args.log_level,
+        "pids": tuple(args.pids) if args.pids else None,
+    }
+    return replace(config, **{k: v for k, v in overrides.items() if v is not None}).validated()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            config = _run_config(args)
+            _setup_logging(config.log_level)
+            if args.print_bpf:
+                from tramprof.sampler import build_cflags, program_source
+
+                print("// cflags: " + " ".join(build_cflags(config.sampler_config())))
+                print(program_source())
+                return 0
+            from tramprof.service import run_daemon
+
+            return run_daemon(config)
+        if args.command == "record":
+            _setup_logging(args.log_level or "warning")
+            config = Config(frequency=args.frequency, event=args.event,
+                            pids=tuple(args.pids or ()), interval=min(args.duration, 5.0))
+            from tramprof.record import record
+
+            return record(config.validated(), args.duration, args.format, args.output)
+        if args.command == "doctor":
+            from tramprof import doctor
+
+            checks, ok = doctor.run(args.pid)
+            for check in checks:
+                print(check.render())
+            return 0 if ok else 1
+        if args.command == "metrics":
+            from tramprof.export.families import markdown_table
+
+            print(markdown_table())
+            return 0
+    except ConfigError as exc:
+        print(f"tramprof: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

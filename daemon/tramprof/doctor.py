@@ -1,0 +1,180 @@
+"""``tramprof doctor``: checks the host (and optionally one process) and says
+what to do about every failure, instead of leaving users to decode a bcc
+stack trace."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tramprof.btf import VMLINUX_BTF, BtfError, KernelBtf
+
+CAP_SYS_ADMIN = 21
+CAP_SYS_PTRACE = 19
+CAP_PERFMON = 38
+CAP_BPF = 39
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    warning: bool = False  # degrades results but does not stop profiling
+
+    def render(self) -> str:
+        mark = "ok  " if self.ok else ("warn" if self.warning else "FAIL")
+        text = f"[{mark}] {self.name}: {self.detail}"
+        if not self.ok and self.fix:
+            text += f"\n       fix: {self.fix}"
+        return text
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def effective_caps(status_text: str | None) -> int:
+    for line in (status_text or "").splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def check_kernel() -> Check:
+    release = platform.release()
+    try:
+        major, minor = (int(x) for x in release.split(".")[:2])
+    except ValueError:
+        return Check("kernel", False, f"cannot parse kernel release {release!r}")
+    ok = (major, minor) >= (5, 15)
+    return Check("kernel", ok, f"Linux {release}",
+                 "tramprof needs Linux >= 5.15 (bpf_task_pt_regs, bounded loops)")
+
+
+def check_btf(path: str = VMLINUX_BTF) -> Check:
+    try:
+        with KernelBtf(path) as btf:
+            btf.field("task_struct.start_boottime")
+            btf.field("pt_regs.bp")
+    except BtfError as exc:
+        return Check("BTF", False, str(exc),
+                     "use a kernel built with CONFIG_DEBUG_INFO_BTF=y (all major distros)")
+    return Check("BTF", True, f"{path}: kernel struct offsets readable")
+
+
+def check_headers() -> Check:
+    build = f"/lib/modules/{platform.release()}/build"
+    if os.path.exists(os.path.join(build, "include")) or os.path.exists(
+            os.path.join(build, "Makefile")):
+        target = os.path.realpath(build)
+        exact = platform.release() in target
+        detail = f"{build} -> {target}" + ("" if exact else " (generic headers, not this "
+                                                          "kernel's; fine for bcc)")
+        return Check("kernel headers", True, detail)
+    return Check("kernel headers", False, f"{build} missing; bcc cannot compile the program",
+                 "run `make setup` (or deploy/install-deps.sh) as root")
+
+
+def check_privileges(status_text: str | None = None) -> Check:
+    caps = effective_caps(status_text if status_text is not None else
+                          _read("/proc/self/status"))
+    has = {name for bit, name in ((CAP_SYS_ADMIN, "CAP_SYS_ADMIN"), (CAP_BPF, "CAP_BPF"),
+                                  (CAP_PERFMON, "CAP_PERFMON"),
+                                  (CAP_SYS_PTRACE, "CAP_SYS_PTRACE")) if caps >> bit & 1}
+    bpf_ok = "CAP_SYS_ADMIN" in has or {"CAP_BPF", "CAP_PERFMON"} <= has
+    ptrace_ok = "CAP_SYS_PTRACE" in has
+    detail = "effective: " + (", ".join(sorted(has)) or "none of the needed capabilities")
+    if not bpf_ok:
+        return Check("privileges", False, detail,
+                      "run as root, or grant CAP_BPF + CAP_PERFMON (+ CAP_SYS_PTRACE to read "
+                      "other users' /proc/PID/maps and perf maps)")
+    if not ptrace_ok:
+        return Check("privileges", False, detail,
+                     "grant CAP_SYS_PTRACE, or other users' processes stay unsymbolized",
+                     warning=True)
+    return Check("privileges", True, detail)
+
+
+def check_paranoid(text: str | None = None) -> Check:
+    value = text if text is not None else _read("/proc/sys/kernel/perf_event_paranoid")
+    if value is None:
+        return Check("perf_event_paranoid", False, "unreadable", "mount /proc")
+    level = int(value.strip())
+    # With CAP_PERFMON (or root) any level works; without it, system-wide
+    # sampling needs <= 0. Levels > 2 (Debian's 3) block unprivileged use entirely.
+    detail = f"{level} (privileged users are unaffected)"
+    return Check("perf_event_paranoid", True, detail)
+
+
+def check_bcc() -> Check:
+    try:
+        import bcc
+
+        version = getattr(bcc, "__version__", "unknown version")
+    except ImportError as exc:
+        return Check("bcc", False, f"not importable: {exc}",
+                     "install python3-bpfcc (`make setup`) and use a venv with "
+                     "--system-site-packages")
+    return Check("bcc", True, f"bcc {version}")
+
+
+def check_kallsyms(path: str = "/proc/kallsyms") -> Check:
+    try:
+        with open(path) as f:
+            for line in f:
+                addr = line.split(" ", 1)[0]
+                if int(addr, 16) != 0:
+                    return Check("kernel symbols", True, f"{path} readable")
+                break
+    except OSError as exc:
+        return Check("kernel symbols", False, f"{path}: {exc.strerror}", "mount /proc",
+                     warning=True)
+    return Check("kernel symbols", False, f"{path} shows zero addresses",
+                 "run as root or set kernel.kptr_restrict=0; kernel frames stay unnamed",
+                 warning=True)
+
+
+HOST_CHECKS: tuple[Callable[[], Check], ...] = (
+    check_kernel, check_btf, check_headers, check_privileges, check_paranoid, check_bcc,
+    check_kallsyms,
+)
+
+
+def check_process(pid: int, proc_root: str = "/proc") -> list[Check]:
+    """What tramprof can see of one process, and how it will unwind it."""
+    from tramprof.procinfo import read_comm
+    from tramprof.symbols.procmaps import read_maps
+
+    checks = []
+    try:
+        comm = read_comm(pid, proc_root)
+        maps = read_maps(pid, proc_root)
+    except Exception as exc:
+        return [Check(f"process {pid}", False, f"cannot read /proc/{pid}: {exc}",
+                      "check the pid; reading other users' processes needs CAP_SYS_PTRACE")]
+    exec_maps = [m for m in maps if m.is_exec]
+    files = [m for m in exec_maps if m.is_file_backed]
+    anon = [m for m in exec_maps if m.is_anonymous_exec]
+    checks.append(Check(f"process {pid} ({comm})", True,
+                        f"{len(files)} executable file mappings, {len(anon)} anonymous "
+                        "executable mappings (JIT code or trampolines)"))
+    checks.append(Check("unwinding mode", True,
+                        "fp: frame-pointer walk (frames of code built without frame "
+                        "pointers are skipped)"))
+    return checks
+
+
+def run(pid: int | None = None, proc_root: str = "/proc") -> tuple[list[Check], bool]:
+    checks = [check() for check in HOST_CHECKS]
+    if pid is not None:
+        checks.extend(check_process(pid, proc_root))
+    ok = all(c.ok or c.warning for c in checks)
+    return checks, ok

@@ -1,0 +1,1 @@
+"""Everything that leaves the daemon: Prometheus metrics and the HTTP server."""

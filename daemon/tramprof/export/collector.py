@@ -1,0 +1,98 @@
+"""Prometheus collector: fresh metric families from a stats snapshot per scrape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tramprof.bpf_layout import Counter as BpfCounter
+from tramprof.export import families as fam
+from tramprof.stats import ProfilerStats
+
+_LOST = {
+    "counts_map_full": BpfCounter.LOST_COUNTS_FULL,
+    "user_stacks_map_full": BpfCounter.LOST_USTACKS_FULL,
+    "user_stack_collision": BpfCounter.LOST_USTACK_COLLISION,
+}
+_KSTACK_LOST = {
+    "collision": BpfCounter.KSTACK_COLLISION,
+    "error": BpfCounter.KSTACK_ERROR,
+}
+
+
+def _family(f: fam.Family) -> CounterMetricFamily | GaugeMetricFamily:
+    if f.kind == "counter":
+        return CounterMetricFamily(f.name, f.help, labels=f.labels)
+    return GaugeMetricFamily(f.name, f.help, labels=f.labels)
+
+
+class ProfilerCollector(Collector):
+    """Reads a ProfilerStats snapshot from ``source`` on every scrape."""
+
+    def __init__(self, source: Callable[[], ProfilerStats]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._source()
+        bpf = stats.bpf_counters
+
+        samples = _family(fam.SAMPLES)
+        for process, count in sorted(stats.samples_by_process.items()):
+            samples.add_metric([process], count)
+        yield samples
+
+        lost_total = sum(bpf.get(c, 0) for c in _LOST.values())
+        events = _family(fam.PERF_EVENTS)
+        events.add_metric(["recorded"], bpf.get(BpfCounter.RECORDED, 0))
+        events.add_metric(["idle"], bpf.get(BpfCounter.IDLE, 0))
+        events.add_metric(["filtered"], bpf.get(BpfCounter.FILTERED, 0))
+        events.add_metric(["lost"], lost_total)
+        yield events
+
+        lost = _family(fam.LOST_SAMPLES)
+        for reason, counter in _LOST.items():
+            lost.add_metric([reason], bpf.get(counter, 0))
+        yield lost
+
+        kernel_lost = _family(fam.KERNEL_STACKS_LOST)
+        for reason, counter in _KSTACK_LOST.items():
+            kernel_lost.add_metric([reason], bpf.get(counter, 0))
+        yield kernel_lost
+
+        for f, counter in ((fam.TRUNCATED_STACKS, BpfCounter.USTACK_TRUNCATED),
+                           (fam.UNWIND_FAULTS, BpfCounter.USTACK_FAULT),
+                           (fam.KERNEL_THREAD_SAMPLES, BpfCounter.KERNEL_THREAD)):
+            family = _family(f)
+            family.add_metric([], bpf.get(counter, 0))
+            yield family
+
+        failures = _family(fam.SYMBOLIZATION_FAILURES)
+        for reason, count in sorted(stats.symbolization_failures.items()):
+            failures.add_metric([reason], count)
+        yield failures
+
+        processes = _family(fam.PROCESSES)
+        processes.add_metric([], stats.processes)
+        yield processes
+
+        proc_events = _family(fam.PROCESS_EVENTS)
+        for kind, count in sorted(stats.process_events.items()):
+            proc_events.add_metric([kind], count)
+        yield proc_events
+
+        drains = _family(fam.DRAINS)
+        drains.add_metric([], stats.drains)
+        yield drains
+        drain_seconds = _family(fam.DRAIN_SECONDS)
+        drain_seconds.add_metric([], stats.last_drain_seconds)
+        yield drain_seconds
+
+        if stats.bpf_run_time_ns is not None and stats.bpf_run_count is not None:
+            run_seconds = _family(fam.BPF_RUN_SECONDS)
+            run_seconds.add_metric([], stats.bpf_run_time_ns / 1e9)
+            yield run_seconds
+            runs = _family(fam.BPF_RUNS)
+            runs.add_metric([], stats.bpf_run_count)
+            yield runs

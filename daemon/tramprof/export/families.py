@@ -1,0 +1,84 @@
+"""Every metric family tramprof exports, declared once.
+
+The README's metric table is generated from this list (``tramprof metrics``
+prints it), so code and documentation cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # without the _total suffix for counters, as prometheus-client wants
+    kind: str  # "counter" or "gauge"
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def exposed_name(self) -> str:
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+
+SAMPLES = Family(
+    "tramprof_samples", "counter", ("process",),
+    "CPU samples recorded, per process group.")
+PERF_EVENTS = Family(
+    "tramprof_perf_events", "counter", ("outcome",),
+    "Sampling ticks seen by the BPF program, by outcome: recorded, idle (no process on "
+    "the CPU), filtered (not a target), lost (see tramprof_lost_samples_total).")
+LOST_SAMPLES = Family(
+    "tramprof_lost_samples", "counter", ("reason",),
+    "Samples dropped before they were counted, by reason: counts_map_full, "
+    "user_stacks_map_full, user_stack_collision.")
+KERNEL_STACKS_LOST = Family(
+    "tramprof_kernel_stacks_lost", "counter", ("reason",),
+    "Samples whose kernel stack was lost (the sample is kept without it), by reason: "
+    "collision (stack map bucket taken, -EEXIST: the map is too small) or error.")
+TRUNCATED_STACKS = Family(
+    "tramprof_truncated_stacks", "counter", (),
+    "User stacks cut at the depth limit.")
+UNWIND_FAULTS = Family(
+    "tramprof_user_unwind_faults", "counter", (),
+    "User stack walks that stopped at an unreadable or invalid frame pointer; normal for "
+    "code built without frame pointers.")
+KERNEL_THREAD_SAMPLES = Family(
+    "tramprof_kernel_thread_samples", "counter", (),
+    "Samples taken in kernel threads (kernel stack only).")
+SYMBOLIZATION_FAILURES = Family(
+    "tramprof_symbolization_failures", "counter", ("reason",),
+    "Frames that could not be named, by reason; they are shown as module+0xoffset or a "
+    "bracketed marker instead.")
+PROCESSES = Family(
+    "tramprof_processes", "gauge", (),
+    "Processes with symbolization state held by the daemon.")
+PROCESS_EVENTS = Family(
+    "tramprof_process_events", "counter", ("kind",),
+    "Process lifecycle events received (fork, exec, exit) and event-stream overruns.")
+DRAINS = Family(
+    "tramprof_drains", "counter", (),
+    "Times the in-kernel sample buffers were drained.")
+DRAIN_SECONDS = Family(
+    "tramprof_drain_duration_seconds", "gauge", (),
+    "Wall time of the last drain, symbolization included.")
+BPF_RUN_SECONDS = Family(
+    "tramprof_bpf_run_time_seconds", "counter", (),
+    "CPU time spent in the sampling BPF program (kernel BPF statistics).")
+BPF_RUNS = Family(
+    "tramprof_bpf_runs", "counter", (),
+    "Runs of the sampling BPF program (kernel BPF statistics).")
+
+ALL: tuple[Family, ...] = (
+    SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
+    KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS, DRAINS,
+    DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS,
+)
+
+
+def markdown_table() -> str:
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for f in ALL:
+        labels = ", ".join(f.labels) or "—"
+        rows.append(f"| `{f.exposed_name}` | {f.kind} | {labels} | {f.help} |")
+    return "\n".join(rows)

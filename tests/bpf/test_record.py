@@ -1,0 +1,67 @@
+"""`tramprof record` end to end: the real CLI, real BPF, real targets (root)."""
+
+from __future__ import annotations
+
+import subprocess
+
+from tests.conftest import TRAMPROF, requires_root
+from tramprof.folded import parse_folded
+
+pytestmark = requires_root
+
+# What may stand above main(): libc's start-up code, named if libc has a
+# symbol table, else as libc.so.6+0xOFFSET (Debian strips .symtab).
+LIBC_START = {"__libc_start_call_main", "__libc_start_main_impl", "__libc_start_main", "_start"}
+
+
+def is_libc_start(frame: str) -> bool:
+    return frame in LIBC_START or frame.startswith("libc.so.6+0x")
+
+
+def record(pid: int, seconds: float, frequency: int = 999) -> dict[tuple[str, ...], int]:
+    result = subprocess.run(
+        [TRAMPROF, "record", "--pid", str(pid), "--duration", str(seconds),
+         "--frequency", str(frequency)],
+        capture_output=True, text=True, timeout=120, check=True)
+    return dict(parse_folded(result.stdout))
+
+
+def test_known_chain_is_exact(targets, start_target):
+    target = start_target(str(targets / "chain"), "30")
+    stacks = record(target.pid, 3)
+    total = sum(stacks.values())
+    assert total > 1500, f"expected ~3000 samples at 999 Hz for 3 s, got {total}"
+
+    def exact(stack: tuple[str, ...]) -> bool:
+        comm, *frames = stack
+        if comm != "chain" or "main" not in frames:
+            return False
+        at = frames.index("main")
+        return (frames[at:] == ["main", "chain_a", "chain_b", "chain_c"]
+                and all(is_libc_start(f) for f in frames[:at]))
+
+    good = sum(count for stack, count in stacks.items() if exact(stack))
+    assert good / total >= 0.95, sorted(stacks.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_syscall_shows_the_kernel_read_path(targets, start_target):
+    target = start_target(str(targets / "syscall_read"), "30")
+    stacks = record(target.pid, 3)
+    total = sum(stacks.values())
+    assert total > 1500
+
+    def kernel_read(stack: tuple[str, ...]) -> bool:
+        frames = stack[1:]
+        # libc's read() has no frame of its own, so a frame-pointer walk
+        # starting in it skips its caller (read_loop): main -> read is what an
+        # FP unwinder can know. Below it, the system call as the kernel names it.
+        return ("main" in frames and "read" in frames
+                and bool({"ksys_read", "vfs_read"} & set(frames)))
+
+    good = sum(count for stack, count in stacks.items() if kernel_read(stack))
+    assert good / total >= 0.5, sorted(stacks.items(), key=lambda kv: -kv[1])[:5]
+    # User frames come first (root), kernel frames after them.
+    for stack in stacks:
+        frames = stack[1:]
+        if "vfs_read" in frames and "read" in frames:
+            assert frames.index("main") < frames.index("read") < frames.index("vfs_read")

@@ -1,0 +1,69 @@
+"""Shared fixtures: test targets compiled at test time, root detection."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TARGETS_SRC = REPO / "tests" / "targets"
+VENV_BIN = Path(sys.executable).parent
+TRAMPROF = str(VENV_BIN / "tramprof")
+
+IS_ROOT = os.geteuid() == 0
+requires_root = pytest.mark.skipif(
+    not IS_ROOT, reason="needs root: loads BPF programs and reads other processes' memory")
+
+
+@pytest.fixture(scope="session")
+def targets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every tests/targets/*.c built with frame pointers, -O2."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed")
+    out = tmp_path_factory.mktemp("targets")
+    for source in sorted(TARGETS_SRC.glob("*.c")):
+        subprocess.run(["gcc", "-O2", "-g", "-fno-omit-frame-pointer", "-o",
+                        str(out / source.stem), str(source)], check=True)
+    return out
+
+
+class Target:
+    """A running target program, killed when the test ends."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            self.stop()
+            raise RuntimeError(f"target {argv} did not start: {line!r}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def start_target() -> Iterator[object]:
+    started: list[Target] = []
+
+    def start(*argv: str) -> Target:
+        target = Target(list(argv))
+        started.append(target)
+        return target
+
+    yield start
+    for target in started:
+        target.stop()
