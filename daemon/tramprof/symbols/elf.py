@@ -1,0 +1,495 @@
+"""ELF function symbols, build-ids and load segments, plus a bounded cache.
+
+pyelftools reads the headers, sections, segments and notes. The symbol
+tables themselves are decoded with ``struct.iter_unpack`` on the raw section
+bytes: pyelftools builds a dict per symbol (~20 us each), which is too slow
+for binaries with hundreds of thousands of symbols, while the raw decode is
+about twenty times faster.
+
+An ``ElfSymbols`` keeps only what symbolization needs, as a flat table (an
+``array('Q')`` of starts and a list of names, ``None`` marking gaps), the
+build-id and the PT_LOAD segments; no pyelftools object outlives parsing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import struct
+import threading
+from array import array
+from bisect import bisect_right
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from elftools.common.exceptions import ELFError as _PyElfError
+from elftools.elf.elffile import ELFFile
+
+from tramprof.symbols.errors import ElfError
+
+__all__ = ["ElfCache", "ElfError", "ElfSymbols", "LoadSegment", "read_build_id"]
+
+_ELF_MAGIC = b"\x7fELF"
+_PF_X = 0x1
+_SHF_ALLOC = 0x2
+_SHN_UNDEF = 0
+_SHN_LORESERVE = 0xFF00
+_FUNC_TYPES = (2, 10)  # STT_FUNC, STT_GNU_IFUNC
+_STB_LOCAL = 0
+_STB_WEAK = 2
+_NT_GNU_BUILD_ID = 3
+
+# Whatever a malformed file makes pyelftools (or our own decoding) throw.
+# OSError is deliberately absent: an unreadable file is a different failure.
+_PARSE_ERRORS: tuple[type[BaseException], ...] = (
+    _PyElfError,
+    struct.error,
+    ValueError,
+    IndexError,
+    KeyError,
+    EOFError,
+    TypeError,
+    AssertionError,
+    ZeroDivisionError,
+    UnicodeError,
+    OverflowError,
+    AttributeError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSegment:
+    """A PT_LOAD program header: how a file range maps to virtual addresses."""
+
+    offset: int
+    vaddr: int
+    filesz: int
+    memsz: int
+    flags: int
+
+    @property
+    def executable(self) -> bool:
+        return bool(self.flags & _PF_X)
+
+    def contains_offset(self, offset: int) -> bool:
+        return self.offset <= offset < self.offset + self.filesz
+
+
+@dataclass(slots=True)
+class _Sym:
+    value: int
+    size: int
+    shndx: int
+    name: str
+    rank: tuple[int, int, int, int, int, int]
+
+
+class ElfSymbols:
+    """Function symbols of one ELF object, addressed by ELF virtual address."""
+
+    __slots__ = (
+        "_names",
+        "_starts",
+        "build_id",
+        "elf_class",
+        "elf_type",
+        "machine",
+        "segments",
+        "symbol_count",
+    )
+
+    def __init__(
+        self,
+        *,
+        build_id: str | None,
+        elf_class: int,
+        elf_type: str,
+        machine: str,
+        segments: tuple[LoadSegment, ...],
+        starts: array[int],
+        names: list[str | None],
+    ) -> None:
+        self.build_id = build_id
+        self.elf_class = elf_class
+        self.elf_type = elf_type
+        self.machine = machine
+        self.segments = segments
+        self._starts = starts
+        self._names = names
+        self.symbol_count = sum(1 for n in names if n is not None)
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike[str]) -> ElfSymbols:
+        """Parse the file at ``path``; OSError if it cannot be opened or read."""
+        with open(path, "rb") as f:
+            return cls.from_file(f)
+
+    @classmethod
+    def from_file(cls, f: BinaryIO) -> ElfSymbols:
+        """Parse a seekable binary file object (its position is not restored)."""
+        return _parse(f)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ElfSymbols:
+        """Parse an in-memory image, e.g. a process's ``[vdso]`` read from ``/proc/PID/mem``."""
+        return _parse(io.BytesIO(data))
+
+    def __len__(self) -> int:
+        return self.symbol_count
+
+    def file_offset_to_vaddr(self, offset: int) -> int | None:
+        """ELF virtual address of a file offset, via the PT_LOAD that maps it.
+
+        When segments overlap in the file (old layouts without separate code
+        pages), the executable one wins since we are symbolizing code.
+        """
+        found: LoadSegment | None = None
+        for seg in self.segments:
+            if seg.contains_offset(offset):
+                if seg.executable:
+                    return offset - seg.offset + seg.vaddr
+                if found is None:
+                    found = seg
+        if found is None:
+            return None
+        return offset - found.offset + found.vaddr
+
+    def resolve_vaddr(self, vaddr: int) -> str | None:
+        """Name of the function containing ``vaddr``, or None."""
+        i = bisect_right(self._starts, vaddr) - 1
+        if i < 0:
+            return None
+        return self._names[i]
+
+
+def read_build_id(f: BinaryIO) -> str | None:
+    """Hex GNU build-id of an ELF file object, or None if it has none.
+
+    Cheap (headers and notes only), which is what lets the cache recognise a
+    binary it already parsed under another path or inode.
+    """
+    try:
+        _check_magic(f)
+        elf = ELFFile(f)
+        return _build_id(elf)
+    except _PARSE_ERRORS as e:
+        raise ElfError(f"malformed ELF: {e}") from e
+
+
+def _check_magic(f: BinaryIO) -> int:
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    f.seek(0)
+    head = f.read(4)
+    f.seek(0)
+    if size == 0:
+        raise ElfError("empty file, not ELF", reason="not_elf")
+    if head != _ELF_MAGIC:
+        raise ElfError("not an ELF file (bad magic)", reason="not_elf")
+    return size
+
+
+def _parse(f: BinaryIO) -> ElfSymbols:
+    size = _check_magic(f)
+    try:
+        return _parse_elf(ELFFile(f), size)
+    except _PARSE_ERRORS as e:
+        raise ElfError(f"malformed or truncated ELF: {type(e).__name__}: {e}") from e
+
+
+def _parse_elf(elf: Any, file_size: int) -> ElfSymbols:
+    segments = tuple(
+        LoadSegment(
+            offset=seg["p_offset"],
+            vaddr=seg["p_vaddr"],
+            filesz=seg["p_filesz"],
+            memsz=seg["p_memsz"],
+            flags=seg["p_flags"],
+        )
+        for seg in elf.iter_segments()
+        if seg["p_type"] == "PT_LOAD"
+    )
+    build_id = _build_id(elf)
+
+    sections = list(elf.iter_sections())
+    section_bounds: list[tuple[int, int] | None] = []
+    for sec in sections:
+        h = sec.header
+        alloc = h["sh_flags"] & _SHF_ALLOC and h["sh_type"] != "SHT_NULL"
+        section_bounds.append((h["sh_addr"], h["sh_addr"] + h["sh_size"]) if alloc else None)
+
+    elf64 = elf.elfclass == 64
+    endian = "<" if elf.little_endian else ">"
+    thumb = elf["e_machine"] == "EM_ARM"
+    syms: list[_Sym] = []
+    # .symtab first: at equal address its names win over .dynsym's.
+    for source, wanted in enumerate(("SHT_SYMTAB", "SHT_DYNSYM")):
+        for sec in sections:
+            if sec.header["sh_type"] == wanted:
+                syms.extend(_read_symtab(elf, sec, file_size, elf64, endian, thumb, source))
+
+    starts, names = _build_table(syms, section_bounds, segments)
+    return ElfSymbols(
+        build_id=build_id,
+        elf_class=elf.elfclass,
+        elf_type=str(elf["e_type"]),
+        machine=str(elf["e_machine"]),
+        segments=segments,
+        starts=starts,
+        names=names,
+    )
+
+
+def _section_bytes(sec: Any, file_size: int) -> bytes:
+    h = sec.header
+    if h["sh_offset"] + h["sh_size"] > file_size:
+        raise ElfError(f"truncated ELF: section {sec.name or '?'} extends past end of file")
+    data: bytes = sec.data()
+    return data
+
+
+def _read_symtab(
+    elf: Any,
+    sec: Any,
+    file_size: int,
+    elf64: bool,
+    endian: str,
+    thumb: bool,
+    source: int,
+) -> list[_Sym]:
+    h = sec.header
+    entsize = h["sh_entsize"]
+    layout = struct.Struct(endian + ("IBBHQQ" if elf64 else "IIIBBH"))
+    if entsize < layout.size or h["sh_size"] == 0:
+        return []
+    strtab_sec = elf.get_section(h["sh_link"])
+    if strtab_sec.header["sh_type"] != "SHT_STRTAB":
+        return []
+    data = _section_bytes(sec, file_size)
+    strtab = _section_bytes(strtab_sec, file_size)
+
+    count = len(data) // entsize
+    if entsize == layout.size:
+        records = layout.iter_unpack(data[: count * entsize])
+    else:
+        records = (layout.unpack_from(data, i * entsize) for i in range(count))
+    out: list[_Sym] = []
+    for rec in records:
+        if elf64:
+            st_name, st_info, _other, shndx, value, size = rec
+        else:
+            st_name, value, size, st_info, _other, shndx = rec
+        if (st_info & 0xF) not in _FUNC_TYPES or shndx == _SHN_UNDEF or value == 0:
+            continue
+        end = strtab.find(b"\0", st_name)
+        if end <= st_name:  # empty name, or st_name beyond the string table
+            continue
+        name = strtab[st_name:end].decode("utf-8", "backslashreplace")
+        if thumb:
+            value &= ~1
+        bind = st_info >> 4
+        rank = (
+            source,
+            0 if size else 1,
+            1 if bind == _STB_WEAK else 0,
+            1 if bind == _STB_LOCAL else 0,
+            len(name) - len(name.lstrip("_")),
+            -len(name),
+        )
+        out.append(_Sym(value, size, shndx, name, rank))
+    return out
+
+
+def _build_table(
+    syms: list[_Sym],
+    section_bounds: list[tuple[int, int] | None],
+    segments: tuple[LoadSegment, ...],
+) -> tuple[array[int], list[str | None]]:
+    """Flatten symbols into (start, name) with ``None`` entries closing gaps.
+
+    Aliases at one address collapse to the best-ranked name. Sized symbols
+    end at start+size; zero-size ones run to the next symbol, bounded by the
+    end of their section (or segment) so the last one does not swallow
+    everything after it.
+    """
+    best: dict[int, _Sym] = {}
+    for s in syms:
+        cur = best.get(s.value)
+        if cur is None or s.rank < cur.rank:
+            best[s.value] = s
+    ordered = sorted(best.values(), key=lambda s: s.value)
+
+    starts: array[int] = array("Q")
+    names: list[str | None] = []
+    for i, s in enumerate(ordered):
+        nxt = ordered[i + 1].value if i + 1 < len(ordered) else None
+        if s.size:
+            end = s.value + s.size
+        else:
+            end = _container_end(s, section_bounds, segments)
+            if nxt is not None:
+                end = min(end, nxt)
+        if names and names[-1] is None and starts[-1] == s.value:
+            names[-1] = s.name  # a gap marker right where this symbol starts
+        else:
+            starts.append(s.value)
+            names.append(s.name)
+        if nxt is None or end < nxt:
+            starts.append(max(end, s.value + 1))
+            names.append(None)
+    return starts, names
+
+
+def _container_end(
+    s: _Sym,
+    section_bounds: list[tuple[int, int] | None],
+    segments: tuple[LoadSegment, ...],
+) -> int:
+    if s.shndx < _SHN_LORESERVE and s.shndx < len(section_bounds):
+        bounds = section_bounds[s.shndx]
+        if bounds is not None and bounds[0] <= s.value < bounds[1]:
+            return bounds[1]
+    for seg in segments:
+        if seg.vaddr <= s.value < seg.vaddr + seg.memsz:
+            return seg.vaddr + seg.memsz
+    return s.value + 1
+
+
+def _build_id(elf: Any) -> str | None:
+    """GNU build-id from note sections, or from PT_NOTE when sections are absent."""
+    endian = "<" if elf.little_endian else ">"
+    blobs: list[bytes] = []
+    if elf.num_sections():
+        blobs.extend(s.data() for s in elf.iter_sections() if s.header["sh_type"] == "SHT_NOTE")
+    else:
+        blobs.extend(s.data() for s in elf.iter_segments() if s["p_type"] == "PT_NOTE")
+    for blob in blobs:
+        found = _build_id_from_notes(blob, endian)
+        if found:
+            return found
+    return None
+
+
+def _build_id_from_notes(blob: bytes, endian: str) -> str | None:
+    header = struct.Struct(endian + "III")
+    pos = 0
+    while pos + header.size <= len(blob):
+        namesz, descsz, ntype = header.unpack_from(blob, pos)
+        pos += header.size
+        name_end = pos + namesz
+        desc_start = (name_end + 3) & ~3
+        desc_end = desc_start + descsz
+        if desc_end > len(blob):
+            return None
+        if ntype == _NT_GNU_BUILD_ID and blob[pos:name_end].rstrip(b"\0") == b"GNU" and descsz:
+            return blob[desc_start:desc_end].hex()
+        pos = (desc_end + 3) & ~3
+    return None
+
+
+class ElfCache:
+    """Bounded LRU of parsed ``ElfSymbols``, shared by all processes.
+
+    Keyed by build-id when the binary has one (the same library in a hundred
+    containers is parsed once), otherwise by (st_dev, st_ino, st_size,
+    st_mtime_ns). A stat-identity alias index lets a repeat visit skip even
+    reading the build-id. Files that failed to parse are remembered too (by
+    stat identity) so a broken binary is not re-parsed for every process.
+    """
+
+    def __init__(self, max_entries: int = 512) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be >= 1")
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, ElfSymbols] = OrderedDict()
+        self._aliases: OrderedDict[str, str] = OrderedDict()
+        self._failures: OrderedDict[str, ElfError] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._aliases.clear()
+            self._failures.clear()
+
+    def get_path(self, path: str | os.PathLike[str]) -> ElfSymbols:
+        """Symbols of the file at ``path``; raises OSError or ElfError."""
+        with open(path, "rb") as f:
+            return self.get_file(f)
+
+    def get_file(self, f: BinaryIO) -> ElfSymbols:
+        """Symbols of an open file; raises OSError or ElfError."""
+        st = os.fstat(f.fileno())
+        stat_key = f"stat:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+        with self._lock:
+            primary = self._aliases.get(stat_key)
+            if primary is not None:
+                cached = self._lookup(primary)
+                if cached is not None:
+                    self._aliases.move_to_end(stat_key)
+                    return cached
+            failure = self._failures.get(stat_key)
+            if failure is not None:
+                self.hits += 1
+                raise ElfError(str(failure), reason=failure.reason)
+
+        try:
+            build_id = read_build_id(f)
+            key = f"build-id:{build_id}" if build_id else stat_key
+            with self._lock:
+                cached = self._lookup(key)
+                if cached is not None:
+                    self._alias(stat_key, key)
+                    return cached
+            symbols = _parse(f)
+        except ElfError as e:
+            with self._lock:
+                self.misses += 1
+                self._failures[stat_key] = e
+                while len(self._failures) > self.max_entries:
+                    self._failures.popitem(last=False)
+            raise
+        with self._lock:
+            self.misses += 1
+            self._insert(key, symbols)
+            self._alias(stat_key, key)
+        return symbols
+
+    def get_image(self, data: bytes) -> ElfSymbols:
+        """Symbols of an in-memory image, keyed by content hash (vdso is shared)."""
+        key = "image:" + hashlib.blake2b(data, digest_size=20).hexdigest()
+        with self._lock:
+            cached = self._lookup(key)
+            if cached is not None:
+                return cached
+        symbols = ElfSymbols.from_bytes(data)
+        with self._lock:
+            self.misses += 1
+            self._insert(key, symbols)
+        return symbols
+
+    def _lookup(self, key: str) -> ElfSymbols | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            self.hits += 1
+        return entry
+
+    def _insert(self, key: str, symbols: ElfSymbols) -> None:
+        self._entries[key] = symbols
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def _alias(self, stat_key: str, key: str) -> None:
+        self._aliases[stat_key] = key
+        self._aliases.move_to_end(stat_key)
+        while len(self._aliases) > 4 * self.max_entries:
+            self._aliases.popitem(last=False)

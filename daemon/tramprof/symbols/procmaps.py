@@ -1,0 +1,177 @@
+"""Parsing of ``/proc/PID/maps``: which object backs a user-space address.
+
+The symbolizer needs, per address, the mapping's file, its file offset and
+whether the memory is anonymous (JIT code), special (``[vdso]``) or backed by
+a file that is no longer reachable by its path (deleted, memfd).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+
+from tramprof.symbols.errors import ProcessGone, SymbolizationError
+
+_DELETED_SUFFIX = " (deleted)"
+# Shared anonymous memory (MAP_SHARED|MAP_ANONYMOUS, SysV shm) shows up as a
+# deleted file on the internal shmem mount; it is anonymous for our purposes.
+_ANON_PREFIXES = ("[anon:", "[anon_shmem:", "//anon", "/dev/zero (deleted)", "/SYSV")
+
+
+@dataclass(frozen=True, slots=True)
+class Mapping:
+    """One line of ``/proc/PID/maps``; ``end`` is exclusive."""
+
+    start: int
+    end: int
+    perms: str
+    offset: int
+    dev_major: int
+    dev_minor: int
+    inode: int
+    path: str
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def is_exec(self) -> bool:
+        return len(self.perms) > 2 and self.perms[2] == "x"
+
+    @property
+    def is_deleted(self) -> bool:
+        """The backing file was unlinked; its path no longer opens it."""
+        return self.path.endswith(_DELETED_SUFFIX)
+
+    @property
+    def is_memfd(self) -> bool:
+        """Backed by a memfd: a real file, but reachable only via map_files."""
+        return self.path.startswith("/memfd:")
+
+    @property
+    def is_anonymous(self) -> bool:
+        """No backing object file: plain anonymous, named anonymous or shmem."""
+        return self.path == "" or self.path.startswith(_ANON_PREFIXES)
+
+    @property
+    def is_anonymous_exec(self) -> bool:
+        """Executable memory with no file behind it: typically JIT output."""
+        return self.is_exec and self.is_anonymous
+
+    @property
+    def is_special(self) -> bool:
+        """Kernel-provided region such as ``[vdso]``, ``[stack]`` or ``[heap]``."""
+        return (
+            self.path.startswith("[")
+            and self.path.endswith("]")
+            and not self.path.startswith(("[anon:", "[anon_shmem:"))
+        )
+
+    @property
+    def is_vdso(self) -> bool:
+        return self.path == "[vdso]"
+
+    @property
+    def is_file_backed(self) -> bool:
+        """Backed by a file we can try to open (possibly only via map_files)."""
+        return self.path.startswith("/") and not self.is_anonymous
+
+    @property
+    def file_path(self) -> str:
+        """The path without the kernel's `` (deleted)`` annotation."""
+        if self.is_deleted:
+            return self.path[: -len(_DELETED_SUFFIX)]
+        return self.path
+
+    @property
+    def basename(self) -> str:
+        """Short object name for unsymbolized frames (``libc.so.6``, ``memfd:jit``)."""
+        path = self.file_path
+        name = path.rsplit("/", 1)[-1] or path
+        # maps is decoded with surrogateescape; frame names must stay encodable.
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+    def contains(self, addr: int) -> bool:
+        return self.start <= addr < self.end
+
+
+def parse_maps_line(line: str) -> Mapping:
+    """Parse one maps line; raises ValueError if it is not in the kernel's format.
+
+    The path is everything after the inode column, padding removed, so paths
+    with spaces survive intact.
+    """
+    parts = line.rstrip("\n").split(None, 5)
+    if len(parts) < 5:
+        raise ValueError(f"malformed maps line: {line!r}")
+    addr_range, perms, offset, dev, inode = parts[:5]
+    start_s, sep, end_s = addr_range.partition("-")
+    major_s, sep2, minor_s = dev.partition(":")
+    if not sep or not sep2:
+        raise ValueError(f"malformed maps line: {line!r}")
+    start, end = int(start_s, 16), int(end_s, 16)
+    if end < start:
+        raise ValueError(f"malformed maps line (end < start): {line!r}")
+    return Mapping(
+        start=start,
+        end=end,
+        perms=perms,
+        offset=int(offset, 16),
+        dev_major=int(major_s, 16),
+        dev_minor=int(minor_s, 16),
+        inode=int(inode),
+        path=parts[5] if len(parts) == 6 else "",
+    )
+
+
+def parse_maps(text: str) -> list[Mapping]:
+    """Parse the full text of a maps file, sorted by start address."""
+    mappings = [parse_maps_line(line) for line in text.splitlines() if line.strip()]
+    mappings.sort(key=attrgetter("start"))
+    return mappings
+
+
+def process_exited(pid: int, proc_root: str = "/proc") -> bool:
+    """True when ``pid`` no longer exists or is a zombie (its memory is gone)."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:
+        return False
+    # The state follows the parenthesised comm, which may itself contain ')'.
+    _, _, rest = stat.rpartition(b")")
+    state = rest.split(None, 1)[:1]
+    return state in ([b"Z"], [b"X"], [b"x"])
+
+
+def read_maps(pid: int, proc_root: str = "/proc") -> list[Mapping]:
+    """Read and parse ``{proc_root}/{pid}/maps``.
+
+    Raises ProcessGone when the process vanished (before or while reading);
+    PermissionError is passed through. A kernel thread has an empty list.
+    """
+    try:
+        with open(f"{proc_root}/{pid}/maps", encoding="utf-8", errors="surrogateescape") as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError) as e:
+        raise ProcessGone(pid, f"cannot read maps: {e.strerror or e}") from e
+    if not text and process_exited(pid, proc_root):
+        # The mm is released before the /proc entry goes away.
+        raise ProcessGone(pid, "exited while its maps were read")
+    try:
+        return parse_maps(text)
+    except ValueError as e:
+        raise SymbolizationError(f"{proc_root}/{pid}/maps: {e}") from e
+
+
+def find_mapping(mappings: Sequence[Mapping], addr: int) -> Mapping | None:
+    """The mapping containing ``addr`` in a start-sorted sequence, else None."""
+    i = bisect_right(mappings, addr, key=attrgetter("start")) - 1
+    if i >= 0 and addr < mappings[i].end:
+        return mappings[i]
+    return None

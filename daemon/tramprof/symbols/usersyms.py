@@ -1,0 +1,293 @@
+"""User-space address -> frame name for one process.
+
+Every address gets a printable name: the function when we can find it,
+otherwise the most useful fallback (``libfoo.so+0x1a2b`` with the ELF
+virtual address, so ``addr2line -e libfoo.so 0x1a2b`` works; ``[vdso]+0x..``;
+``[anon]``; ``[unknown]``). Processes exit at any moment on a real host, so
+nothing here raises for that: the frame degrades and the reason is counted
+in a ``SymbolizationStats`` the caller owns and exports.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Callable
+from enum import StrEnum
+
+from tramprof.symbols.elf import ElfCache, ElfSymbols
+from tramprof.symbols.errors import ElfError, ProcessGone, SymbolizationError
+from tramprof.symbols.procmaps import Mapping, process_exited, read_maps
+
+AnonResolver = Callable[[Mapping, int], str | None]
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+UNKNOWN = "[unknown]"
+ANON = "[anon]"
+
+
+class FailureReason(StrEnum):
+    """Why a frame was not resolved to a function name (counter labels)."""
+
+    PROCESS_GONE = "process_gone"
+    PERMISSION_DENIED = "permission_denied"
+    MAPS_UNREADABLE = "maps_unreadable"
+    NO_MAPPING = "no_mapping"
+    NOT_EXECUTABLE = "not_executable"
+    FILE_UNREADABLE = "file_unreadable"
+    NOT_ELF = "not_elf"
+    MALFORMED_ELF = "malformed_elf"
+    NO_SYMBOL = "no_symbol"
+    VDSO_UNREADABLE = "vdso_unreadable"
+    ANON_UNRESOLVED = "anon_unresolved"
+    ANON_RESOLVER_ERROR = "anon_resolver_error"
+
+
+class SymbolizationStats:
+    """Counts of degraded frames by reason; shared by many symbolizers.
+
+    Each counter counts frames (``resolve`` calls) that did not get a
+    function name, so the numbers read as "samples we could not attribute".
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def incr(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[str(reason)] += n
+
+    def __getitem__(self, reason: str) -> int:
+        return self._counts[str(reason)]
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of the counters, safe to export while symbolization goes on."""
+        with self._lock:
+            return dict(self._counts)
+
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())
+
+
+_ObjectState = ElfSymbols | FailureReason
+
+
+class ProcessSymbolizer:
+    """Resolves user-space addresses of one process.
+
+    The maps are read on first use and cached; an address in no known
+    mapping triggers a re-read (at most once per ``maps_refresh_interval``
+    seconds) so libraries dlopen()ed and JIT regions created later are found.
+    Parsed ELF objects live in the shared ``ElfCache``; this object only
+    remembers which mapping uses which. Create a new symbolizer when the pid
+    exec()s, since the old mappings then no longer apply.
+    """
+
+    def __init__(
+        self,
+        pid: int,
+        elf_cache: ElfCache,
+        stats: SymbolizationStats | None = None,
+        *,
+        proc_root: str = "/proc",
+        anon_resolver: AnonResolver | None = None,
+        maps_refresh_interval: float = 1.0,
+    ) -> None:
+        self.pid = pid
+        self.stats = stats if stats is not None else SymbolizationStats()
+        self._cache = elf_cache
+        self._proc = f"{proc_root}/{pid}"
+        self._proc_root = proc_root
+        self._anon_resolver = anon_resolver
+        self._refresh_interval = maps_refresh_interval
+        self._mappings: list[Mapping] = []
+        self._starts: list[int] = []
+        self._maps_loaded_at: float | None = None
+        self._maps_error: FailureReason | None = None
+        self._objects: dict[Mapping, _ObjectState] = {}
+
+    # -- maps -------------------------------------------------------------
+
+    @property
+    def mappings(self) -> list[Mapping]:
+        """The process's mappings (empty if it could not be read)."""
+        if self._maps_loaded_at is None:
+            self.reload_maps()
+        return self._mappings
+
+    def reload_maps(self) -> None:
+        """Re-read ``/proc/PID/maps``, dropping state of vanished mappings."""
+        self._maps_loaded_at = time.monotonic()
+        try:
+            mappings = read_maps(self.pid, self._proc_root)
+        except ProcessGone:
+            self._maps_error = FailureReason.PROCESS_GONE
+            return
+        except PermissionError:
+            self._maps_error = FailureReason.PERMISSION_DENIED
+            return
+        except (OSError, SymbolizationError):
+            self._maps_error = FailureReason.MAPS_UNREADABLE
+            return
+        self._maps_error = None
+        self._mappings = mappings
+        self._starts = [m.start for m in mappings]
+        live = set(mappings)
+        self._objects = {m: o for m, o in self._objects.items() if m in live}
+
+    def preload(self) -> None:
+        """Read the maps and parse every mapped executable now, while the
+        process runs: after it exits neither its maps nor its files (through
+        /proc/PID/root or map_files) can be opened any more."""
+        self.reload_maps()
+        for m in self._mappings:
+            if m.is_exec and not m.is_anonymous and not m.is_special and m not in self._objects:
+                self._objects[m] = self._load_object(m)
+            elif m.is_vdso and m not in self._objects:
+                self._objects[m] = self._load_vdso(m)
+
+    def mapping_for(self, addr: int) -> Mapping | None:
+        """The mapping containing ``addr`` according to the cached maps."""
+        if self._maps_loaded_at is None:
+            self.reload_maps()
+        i = bisect_right(self._starts, addr) - 1
+        if i >= 0 and addr < self._mappings[i].end:
+            return self._mappings[i]
+        return None
+
+    def is_anonymous_exec(self, addr: int) -> bool:
+        """True if ``addr`` is in executable memory without a file (e.g. JIT code)."""
+        m = self.mapping_for(addr)
+        if m is None and self._may_refresh():
+            self.reload_maps()
+            m = self.mapping_for(addr)
+        return m is not None and m.is_anonymous_exec
+
+    def _may_refresh(self) -> bool:
+        if self._maps_error is FailureReason.PROCESS_GONE or self._maps_loaded_at is None:
+            return False
+        return time.monotonic() - self._maps_loaded_at >= self._refresh_interval
+
+    # -- resolution -------------------------------------------------------
+
+    def resolve(self, addr: int) -> str:
+        """Printable frame name for ``addr``; never raises for runtime conditions."""
+        m = self.mapping_for(addr)
+        if m is None and self._may_refresh():
+            self.reload_maps()
+            m = self.mapping_for(addr)
+        if m is None:
+            self.stats.incr(self._maps_error or FailureReason.NO_MAPPING)
+            return UNKNOWN
+        if m.is_vdso:
+            return self._resolve_vdso(m, addr)
+        if not m.is_exec:
+            self.stats.incr(FailureReason.NOT_EXECUTABLE)
+            return UNKNOWN
+        if m.is_anonymous:
+            return self._resolve_anon(m, addr)
+        if m.is_special:  # [vsyscall] and the like: the region name is the answer
+            return m.path
+        return self._resolve_file(m, addr)
+
+    def _resolve_file(self, m: Mapping, addr: int) -> str:
+        obj = self._objects.get(m)
+        if obj is None:
+            obj = self._objects[m] = self._load_object(m)
+        file_offset = addr - m.start + m.offset
+        if isinstance(obj, FailureReason):
+            self.stats.incr(obj)
+            return f"{m.basename}+0x{file_offset:x}"
+        vaddr = obj.file_offset_to_vaddr(file_offset)
+        if vaddr is None:
+            self.stats.incr(FailureReason.NO_SYMBOL)
+            return f"{m.basename}+0x{file_offset:x}"
+        name = obj.resolve_vaddr(vaddr)
+        if name is None:
+            self.stats.incr(FailureReason.NO_SYMBOL)
+            return f"{m.basename}+0x{vaddr:x}"
+        return name
+
+    def _load_object(self, m: Mapping) -> _ObjectState:
+        """Open the mapped file the way the process sees it and parse it.
+
+        ``/proc/PID/root`` + path gives the container's view of the file; the
+        inode check rejects a file replaced since it was mapped. Deleted
+        files, memfds and mismatches go through ``map_files``, which always
+        opens the object that is actually mapped (needs CAP_SYS_ADMIN).
+        """
+        candidates: list[tuple[str, bool]] = []
+        if not m.is_deleted and not m.is_memfd:
+            candidates.append((f"{self._proc}/root{m.path}", True))
+        candidates.append((f"{self._proc}/map_files/{m.start:x}-{m.end:x}", False))
+        for path, check_inode in candidates:
+            try:
+                # O_NONBLOCK + S_ISREG: a FIFO or device planted at the path
+                # must neither hang nor be read.
+                fd = os.open(path, _OPEN_FLAGS)
+                with os.fdopen(fd, "rb") as f:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    if check_inode and m.inode and st.st_ino != m.inode:
+                        continue
+                    return self._cache.get_file(f)
+            except ElfError as e:
+                if e.reason == "not_elf":
+                    return FailureReason.NOT_ELF
+                return FailureReason.MALFORMED_ELF
+            except OSError:
+                continue
+        if process_exited(self.pid, self._proc_root):
+            return FailureReason.PROCESS_GONE
+        return FailureReason.FILE_UNREADABLE
+
+    def _resolve_vdso(self, m: Mapping, addr: int) -> str:
+        obj = self._objects.get(m)
+        if obj is None:
+            obj = self._objects[m] = self._load_vdso(m)
+        offset = addr - m.start
+        if isinstance(obj, ElfSymbols):
+            vaddr = obj.file_offset_to_vaddr(offset)
+            name = obj.resolve_vaddr(vaddr) if vaddr is not None else None
+            if name is not None:
+                return name
+            self.stats.incr(FailureReason.NO_SYMBOL)
+        else:
+            self.stats.incr(obj)
+        return f"[vdso]+0x{offset:x}"
+
+    def _load_vdso(self, m: Mapping) -> _ObjectState:
+        """The vdso is a complete ELF image in memory; read it via ``/proc/PID/mem``."""
+        try:
+            fd = os.open(f"{self._proc}/mem", os.O_RDONLY)
+            try:
+                data = os.pread(fd, m.size, m.start)
+            finally:
+                os.close(fd)
+            if len(data) != m.size:
+                raise OSError("short read of [vdso]")
+            return self._cache.get_image(data)
+        except (OSError, ElfError):
+            if process_exited(self.pid, self._proc_root):
+                return FailureReason.PROCESS_GONE
+            return FailureReason.VDSO_UNREADABLE
+
+    def _resolve_anon(self, m: Mapping, addr: int) -> str:
+        if self._anon_resolver is not None:
+            try:
+                name = self._anon_resolver(m, addr)
+            except Exception:  # foreign callback: it must not break profiling
+                self.stats.incr(FailureReason.ANON_RESOLVER_ERROR)
+                return ANON
+            if name:
+                return name
+        self.stats.incr(FailureReason.ANON_UNRESOLVED)
+        return ANON

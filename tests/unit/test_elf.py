@@ -1,0 +1,370 @@
+"""ElfSymbols / ElfCache against real binaries compiled at test time.
+
+Expected addresses come from binutils (nm, readelf), never from the code
+under test, so the parser is checked against an independent reader.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tramprof.symbols.elf import ElfCache, ElfError, ElfSymbols, read_build_id
+from tramprof.symbols.errors import SymbolizationError
+
+CSRC = Path(__file__).parent / "csrc"
+CFLAGS = ["-O2", "-fno-omit-frame-pointer"]
+
+pytestmark = pytest.mark.skipif(
+    not all(shutil.which(t) for t in ("gcc", "nm", "readelf", "strip")),
+    reason="needs gcc and binutils (nm, readelf, strip) to build test binaries",
+)
+
+
+def _run(*cmd: str | Path) -> str:
+    return subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True).stdout
+
+
+def _nm_funcs(path: Path, dynamic: bool = False) -> dict[str, tuple[int, int]]:
+    """name -> (address, size) of the defined function symbols, per readelf.
+
+    (Named after nm, whose letters cannot tell a weak function from weak data.)
+    """
+    out: dict[str, tuple[int, int]] = {}
+    for line in _run("readelf", "-W", "--dyn-syms" if dynamic else "--syms", path).splitlines():
+        parts = line.split()
+        if len(parts) == 8 and parts[3] in ("FUNC", "IFUNC") and parts[6] != "UND":
+            out[parts[7].split("@")[0]] = (int(parts[1], 16), int(parts[2], 0))
+    return out
+
+
+def _readelf_build_id(path: Path) -> str | None:
+    for line in _run("readelf", "-n", path).splitlines():
+        if "Build ID:" in line:
+            return line.split("Build ID:")[1].strip()
+    return None
+
+
+def _readelf_loads(path: Path) -> list[tuple[int, int, int]]:
+    """(offset, vaddr, filesz) of each PT_LOAD, from readelf."""
+    loads = []
+    for line in _run("readelf", "-lW", path).splitlines():
+        parts = line.split()
+        if parts and parts[0] == "LOAD":
+            loads.append((int(parts[1], 16), int(parts[2], 16), int(parts[4], 16)))
+    return loads
+
+
+@pytest.fixture(scope="module")
+def bins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("elfbins")
+    target, shlib = CSRC / "target.c", CSRC / "shlib.c"
+    b = {
+        "pie": d / "target_pie",
+        "nopie": d / "target_nopie",
+        "lib": d / "libtramprof_unit.so",
+        "nobuildid": d / "target_nobuildid",
+        "fs32": d / "fs32",
+    }
+    _run("gcc", *CFLAGS, "-fPIE", "-pie", "-o", b["pie"], target)
+    _run("gcc", *CFLAGS, "-fno-pie", "-no-pie", "-o", b["nopie"], target)
+    _run("gcc", *CFLAGS, "-shared", "-fPIC", "-o", b["lib"], shlib)
+    _run("gcc", *CFLAGS, "-Wl,--build-id=none", "-o", b["nobuildid"], target)
+    _run(
+        "gcc", "-m32", "-O2", "-nostdlib", "-static", "-fno-pie", "-no-pie",
+        "-o", b["fs32"], CSRC / "freestanding32.c",
+    )  # fmt: skip
+    for name in ("pie", "lib", "fs32"):
+        b[f"{name}_stripped"] = d / f"{b[name].name}.stripped"
+        _run("strip", "-o", b[f"{name}_stripped"], b[name])
+    return b
+
+
+@pytest.mark.parametrize("which", ["pie", "nopie", "lib", "fs32"])
+def test_every_nm_function_resolves_to_itself_or_an_alias(
+    bins: dict[str, Path], which: str
+) -> None:
+    path = bins[which]
+    elf = ElfSymbols.from_path(path)
+    funcs = _nm_funcs(path)
+    by_addr: dict[int, set[str]] = {}
+    for name, (addr, _size) in funcs.items():
+        by_addr.setdefault(addr, set()).add(name)
+    assert funcs
+    for name, (addr, size) in funcs.items():
+        assert elf.resolve_vaddr(addr) in by_addr[addr], name
+        if size:
+            assert elf.resolve_vaddr(addr + size - 1) in by_addr[addr], name
+
+
+@pytest.mark.parametrize("which", ["pie", "nopie"])
+def test_executable_known_functions(bins: dict[str, Path], which: str) -> None:
+    elf = ElfSymbols.from_path(bins[which])
+    funcs = _nm_funcs(bins[which])
+    for name in ("tramprof_unit_leaf", "tramprof_unit_static", "main"):
+        addr, size = funcs[name]
+        assert elf.resolve_vaddr(addr) == name
+        assert elf.resolve_vaddr(addr + size // 2) == name
+    assert elf.elf_class == 64
+    assert elf.elf_type == ("ET_DYN" if which == "pie" else "ET_EXEC")
+
+
+def test_shared_library_symbol_kinds(bins: dict[str, Path]) -> None:
+    elf = ElfSymbols.from_path(bins["lib"])
+    funcs = _nm_funcs(bins["lib"])
+    assert elf.resolve_vaddr(funcs["tramprof_lib_func"][0]) == "tramprof_lib_func"
+    # File-local symbols exist only in .symtab.
+    assert elf.resolve_vaddr(funcs["tramprof_lib_local"][0] + 1) == "tramprof_lib_local"
+    # Strong global beats its weak alias at the same address.
+    strong, size = funcs["tramprof_lib_strong"]
+    assert funcs["tramprof_lib_weak_alias"][0] == strong
+    assert elf.resolve_vaddr(strong + size - 1) == "tramprof_lib_strong"
+    # A zero-size symbol extends up to the next symbol.
+    nosize, nosize_size = funcs["tramprof_lib_nosize"]
+    assert nosize_size == 0
+    assert elf.resolve_vaddr(nosize) == "tramprof_lib_nosize"
+    assert elf.resolve_vaddr(nosize + 8) == "tramprof_lib_nosize"  # the final `ret`
+
+
+def test_gap_after_sized_symbol_is_unresolved(bins: dict[str, Path]) -> None:
+    elf = ElfSymbols.from_path(bins["lib"])
+    funcs = _nm_funcs(bins["lib"])
+    addr, size = funcs["tramprof_lib_func"]
+    starts = sorted(a for a, _ in funcs.values())
+    nxt = min(a for a in starts if a > addr)
+    assert addr + size < nxt, "compiler left no padding; test precondition"
+    assert elf.resolve_vaddr(addr + size) is None
+    assert elf.resolve_vaddr(0) is None
+    assert elf.resolve_vaddr(2**63) is None
+
+
+def test_stripped_shared_library_keeps_dynsym(bins: dict[str, Path]) -> None:
+    elf = ElfSymbols.from_path(bins["lib_stripped"])
+    funcs = _nm_funcs(bins["lib"])
+    assert elf.resolve_vaddr(funcs["tramprof_lib_func"][0]) == "tramprof_lib_func"
+    assert elf.resolve_vaddr(funcs["tramprof_lib_strong"][0]) == "tramprof_lib_strong"
+    # The local function is gone with .symtab. Like perf, the zero-size symbol
+    # before it now extends over it, up to the next symbol.
+    assert funcs["tramprof_lib_nosize"][0] < funcs["tramprof_lib_local"][0]
+    assert elf.resolve_vaddr(funcs["tramprof_lib_local"][0] + 1) == "tramprof_lib_nosize"
+
+
+def test_stripped_executable_has_empty_table(bins: dict[str, Path]) -> None:
+    elf = ElfSymbols.from_path(bins["pie_stripped"])
+    assert len(elf) == 0
+    assert elf.resolve_vaddr(_nm_funcs(bins["pie"])["main"][0]) is None
+    assert elf.build_id == _readelf_build_id(bins["pie"])
+
+
+def test_32bit_elf(bins: dict[str, Path]) -> None:
+    elf = ElfSymbols.from_path(bins["fs32"])
+    assert elf.elf_class == 32
+    assert elf.machine == "EM_386"
+    addr, size = _nm_funcs(bins["fs32"])["tramprof_fs32_func"]
+    assert elf.resolve_vaddr(addr + size - 1) == "tramprof_fs32_func"
+
+
+def test_elf_with_no_symbols_at_all(bins: dict[str, Path]) -> None:
+    # Static, stripped: neither .symtab nor .dynsym.
+    elf = ElfSymbols.from_path(bins["fs32_stripped"])
+    assert len(elf) == 0
+    assert elf.resolve_vaddr(_nm_funcs(bins["fs32"])["tramprof_fs32_func"][0]) is None
+    assert elf.segments
+    assert elf.build_id == _readelf_build_id(bins["fs32"])
+
+
+@pytest.mark.parametrize("which", ["pie", "nopie", "lib", "fs32", "nobuildid"])
+def test_build_id_matches_readelf(bins: dict[str, Path], which: str) -> None:
+    expected = _readelf_build_id(bins[which])
+    assert ElfSymbols.from_path(bins[which]).build_id == expected
+    with open(bins[which], "rb") as f:
+        assert read_build_id(f) == expected
+    assert (expected is None) == (which == "nobuildid")
+
+
+@pytest.mark.parametrize("which", ["pie", "nopie", "lib", "fs32"])
+def test_file_offset_to_vaddr_matches_program_headers(bins: dict[str, Path], which: str) -> None:
+    elf = ElfSymbols.from_path(bins[which])
+    loads = _readelf_loads(bins[which])
+    assert [(s.offset, s.vaddr, s.filesz) for s in elf.segments] == loads
+    for name, (vaddr, _size) in _nm_funcs(bins[which]).items():
+        seg = next(s for s in loads if s[1] <= vaddr < s[1] + s[2])
+        file_offset = vaddr - seg[1] + seg[0]
+        assert elf.file_offset_to_vaddr(file_offset) == vaddr, name
+    end = max(off + size for off, _, size in loads)
+    assert elf.file_offset_to_vaddr(end + 0x10000) is None
+
+
+def test_from_bytes_equals_from_path(bins: dict[str, Path]) -> None:
+    a = ElfSymbols.from_path(bins["lib"])
+    b = ElfSymbols.from_bytes(bins["lib"].read_bytes())
+    assert (a.build_id, a.segments, len(a)) == (b.build_id, b.segments, len(b))
+    for addr, _ in _nm_funcs(bins["lib"]).values():
+        assert a.resolve_vaddr(addr) == b.resolve_vaddr(addr)
+
+
+def _own_vdso() -> tuple[int, bytes]:
+    libc = ctypes.CDLL(None)
+    libc.getauxval.restype = ctypes.c_ulong
+    libc.getauxval.argtypes = [ctypes.c_ulong]
+    base = int(libc.getauxval(33))  # AT_SYSINFO_EHDR
+    if not base:
+        pytest.skip("this process has no vdso")
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith("[vdso]"):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            assert start == base
+            return base, ctypes.string_at(base, end - start)
+    pytest.skip("no [vdso] line in /proc/self/maps")
+
+
+def test_vdso_image_from_memory(tmp_path: Path) -> None:
+    _base, image = _own_vdso()
+    dump = tmp_path / "vdso.so"
+    dump.write_bytes(image)
+    expected = _nm_funcs(dump, dynamic=True)
+    elf = ElfSymbols.from_bytes(image)
+    addr, size = expected["__vdso_clock_gettime"]
+    # Strong __vdso_clock_gettime wins over its weak clock_gettime alias.
+    assert elf.resolve_vaddr(addr) == "__vdso_clock_gettime"
+    assert elf.resolve_vaddr(addr + size - 1) == "__vdso_clock_gettime"
+    assert elf.build_id == _readelf_build_id(dump)
+
+
+# -- malformed input ---------------------------------------------------------
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    p = tmp_path / "empty"
+    p.write_bytes(b"")
+    with pytest.raises(ElfError) as exc:
+        ElfSymbols.from_path(p)
+    assert exc.value.reason == "not_elf"
+    assert isinstance(exc.value, SymbolizationError)
+
+
+def test_non_elf_file(tmp_path: Path) -> None:
+    p = tmp_path / "script.sh"
+    p.write_text("#!/bin/sh\necho hello\n")
+    with pytest.raises(ElfError, match="not an ELF") as exc:
+        ElfSymbols.from_path(p)
+    assert exc.value.reason == "not_elf"
+    with pytest.raises(ElfError):
+        ElfSymbols.from_bytes(b"\x7fEL")
+
+
+@pytest.mark.parametrize("keep", [16, 64, 200, 0.5, 0.95])
+def test_truncated_elf(bins: dict[str, Path], tmp_path: Path, keep: float) -> None:
+    data = bins["lib"].read_bytes()
+    n = int(keep) if keep >= 1 else int(len(data) * keep)
+    p = tmp_path / "truncated.so"
+    p.write_bytes(data[:n])
+    with pytest.raises(ElfError) as exc:
+        ElfSymbols.from_path(p)
+    assert exc.value.reason == "malformed_elf"
+
+
+def test_missing_file_is_oserror_not_elferror(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        ElfSymbols.from_path(tmp_path / "nope")
+
+
+@pytest.fixture(scope="module")
+def lib_image(bins: dict[str, Path]) -> bytes:
+    return bins["lib"].read_bytes()
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_corrupted_elf_never_escapes_as_other_exception(
+    lib_image: bytes, data: st.DataObject
+) -> None:
+    image = bytearray(lib_image)
+    # Corrupt the parts the parser reads: ELF header, program/section headers, tables.
+    shoff = int.from_bytes(image[0x28:0x30], "little")
+    regions = [(4, 64), (64, 64 + 56 * 13), (shoff, len(image))]
+    for _ in range(data.draw(st.integers(1, 8))):
+        lo, hi = data.draw(st.sampled_from(regions))
+        pos = data.draw(st.integers(lo, hi - 1))
+        image[pos] = data.draw(st.integers(0, 255))
+    try:
+        elf = ElfSymbols.from_bytes(bytes(image))
+    except ElfError:
+        return
+    elf.resolve_vaddr(0x1150)
+    elf.file_offset_to_vaddr(0x1150)
+
+
+# -- cache -------------------------------------------------------------------
+
+
+def test_cache_hits_by_stat_identity(bins: dict[str, Path]) -> None:
+    cache = ElfCache(max_entries=4)
+    a = cache.get_path(bins["lib"])
+    b = cache.get_path(bins["lib"])
+    assert a is b
+    assert (cache.misses, cache.hits) == (1, 1)
+
+
+def test_cache_shares_by_build_id_across_copies(bins: dict[str, Path], tmp_path: Path) -> None:
+    copy = tmp_path / "copy.so"
+    shutil.copy(bins["lib"], copy)
+    cache = ElfCache()
+    assert cache.get_path(bins["lib"]) is cache.get_path(copy)
+    assert cache.misses == 1
+    assert len(cache) == 1
+
+
+def test_cache_without_build_id_keys_on_file_identity(
+    bins: dict[str, Path], tmp_path: Path
+) -> None:
+    p = tmp_path / "nobid"
+    shutil.copy(bins["nobuildid"], p)
+    cache = ElfCache()
+    first = cache.get_path(p)
+    assert cache.get_path(p) is first
+    os.utime(p, ns=(1, 1))  # a rebuilt file would change mtime
+    assert cache.get_path(p) is not first
+    assert cache.misses == 2
+
+
+def test_cache_is_bounded_lru(bins: dict[str, Path]) -> None:
+    cache = ElfCache(max_entries=2)
+    lib = cache.get_path(bins["lib"])
+    cache.get_path(bins["pie"])
+    cache.get_path(bins["lib"])  # lib is now most recently used
+    cache.get_path(bins["nopie"])  # evicts pie
+    assert len(cache) == 2
+    assert cache.get_path(bins["lib"]) is lib
+    misses = cache.misses
+    cache.get_path(bins["pie"])
+    assert cache.misses == misses + 1
+    with pytest.raises(ValueError):
+        ElfCache(max_entries=0)
+
+
+def test_cache_remembers_failures(tmp_path: Path) -> None:
+    p = tmp_path / "junk"
+    p.write_bytes(b"\x7fELF" + b"\xff" * 60)
+    cache = ElfCache()
+    for _ in range(2):
+        with pytest.raises(ElfError):
+            cache.get_path(p)
+    assert (cache.misses, cache.hits) == (1, 1)
+
+
+def test_cache_images_by_content(bins: dict[str, Path]) -> None:
+    cache = ElfCache()
+    data = bins["lib"].read_bytes()
+    assert cache.get_image(data) is cache.get_image(bytes(data))
+    assert cache.misses == 1

@@ -1,0 +1,194 @@
+"""/proc/PID/maps parsing and mapping lookup."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from tramprof.symbols.errors import ProcessGone, SymbolizationError
+from tramprof.symbols.procmaps import (
+    Mapping,
+    find_mapping,
+    parse_maps,
+    parse_maps_line,
+    process_exited,
+    read_maps,
+)
+
+MAPS = """\
+55a10849e000-55a1084a0000 r--p 00000000 fe:00 260131                     /usr/bin/cat
+55a1084a0000-55a1084a5000 r-xp 00002000 fe:00 260131                     /usr/bin/cat
+55a12851c000-55a12853d000 rw-p 00000000 00:00 0                          [heap]
+7f0000000000-7f0000001000 r-xp 00000000 00:00 0\x20
+7f0000001000-7f0000002000 rwxp 00000000 00:00 0                          [anon:v8 jit]
+7f0000002000-7f0000003000 r-xs 00000000 00:01 4242                       /memfd:jit code (deleted)
+7f0000003000-7f0000004000 r-xs 00000000 00:01 17                         /dev/zero (deleted)
+7f0000010000-7f0000020000 r-xp 00001000 fe:00 999                        /opt/my app/lib foo.so
+7f0000020000-7f0000030000 r-xp 00001000 fe:00 1000      /opt/my app/lib foo.so (deleted)
+7f0000030000-7f0000031000 r-xp 00000000 00:00 0                          //anon
+7ffd1b5f0000-7ffd1b611000 rw-p 00000000 00:00 0                          [stack]
+7ffd1b7d6000-7ffd1b7d8000 r-xp 00000000 00:00 0                          [vdso]
+ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0                  [vsyscall]
+"""
+
+
+@pytest.fixture
+def maps() -> dict[str, Mapping]:
+    return {m.path: m for m in parse_maps(MAPS)}
+
+
+def test_fields(maps: dict[str, Mapping]) -> None:
+    m = parse_maps(MAPS)[1]
+    assert m == Mapping(
+        start=0x55A1084A0000,
+        end=0x55A1084A5000,
+        perms="r-xp",
+        offset=0x2000,
+        dev_major=0xFE,
+        dev_minor=0,
+        inode=260131,
+        path="/usr/bin/cat",
+    )
+    assert m.size == 0x5000
+    assert m.is_exec and m.is_file_backed
+    assert not (m.is_anonymous or m.is_special or m.is_deleted or m.is_vdso)
+    assert m.basename == "cat"
+    assert not maps["[heap]"].is_exec
+
+
+def test_paths_with_spaces_survive(maps: dict[str, Mapping]) -> None:
+    m = maps["/opt/my app/lib foo.so"]
+    assert m.inode == 999
+    assert m.basename == "lib foo.so"
+    assert not m.is_deleted
+
+
+def test_deleted(maps: dict[str, Mapping]) -> None:
+    m = maps["/opt/my app/lib foo.so (deleted)"]
+    assert m.is_deleted
+    assert m.file_path == "/opt/my app/lib foo.so"
+    assert m.basename == "lib foo.so"
+    assert m.is_file_backed and not m.is_anonymous_exec
+
+
+def test_anonymous_exec(maps: dict[str, Mapping]) -> None:
+    assert maps[""].is_anonymous_exec
+    assert maps["[anon:v8 jit]"].is_anonymous_exec
+    assert not maps["[anon:v8 jit]"].is_special
+    assert maps["//anon"].is_anonymous_exec
+    assert maps["/dev/zero (deleted)"].is_anonymous_exec  # shared anonymous memory
+    assert not maps["[heap]"].is_anonymous_exec  # not executable
+
+
+def test_memfd_is_file_backed_not_anonymous(maps: dict[str, Mapping]) -> None:
+    m = maps["/memfd:jit code (deleted)"]
+    assert m.is_memfd and m.is_deleted and m.is_file_backed
+    assert not m.is_anonymous_exec
+    assert m.basename == "memfd:jit code"
+
+
+def test_special(maps: dict[str, Mapping]) -> None:
+    for path in ("[heap]", "[stack]", "[vdso]", "[vsyscall]"):
+        assert maps[path].is_special, path
+        assert not maps[path].is_file_backed
+    assert maps["[vdso]"].is_vdso
+    assert maps["[vsyscall]"].is_exec
+    assert maps["[vsyscall]"].end == 0xFFFFFFFFFF601000
+
+
+def test_malformed_lines() -> None:
+    for bad in ("", "nonsense", "1000-2000 r-xp 0 fe00 1 /x", "zz-2000 r-xp 0 fe:00 1"):
+        with pytest.raises(ValueError):
+            parse_maps_line(bad)
+    with pytest.raises(ValueError, match="end < start"):
+        parse_maps_line("2000-1000 r-xp 00000000 fe:00 1 /x")
+
+
+@given(
+    st.text(
+        alphabet=st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters="\n"),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_any_path_round_trips(name: str) -> None:
+    path = "/" + name.strip("\x0b\x0c\x1c\x1d\x1e\x1f\x85\u2028\u2029")
+    line = f"7f0000010000-7f0000020000 r-xp 00001000 fe:00 999                 {path}\n"
+    assert parse_maps_line(line).path == path
+
+
+def test_find_mapping_boundaries() -> None:
+    ms = parse_maps(MAPS)
+    cat = ms[1]
+    assert find_mapping(ms, cat.start) is cat
+    assert find_mapping(ms, cat.end - 1) is cat
+    assert find_mapping(ms, cat.end) is None  # gap before [heap]
+    assert find_mapping(ms, 0) is None
+    assert find_mapping(ms, 2**64 - 1) is None
+    assert find_mapping([], 0x1000) is None
+    assert find_mapping(ms, 0xFFFFFFFFFF600010) is ms[-1]
+
+
+def _fake_proc(tmp_path: Path, pid: int, maps: str | None, state: str = "S") -> str:
+    d = tmp_path / str(pid)
+    d.mkdir()
+    if maps is not None:
+        (d / "maps").write_text(maps)
+    (d / "stat").write_text(f"{pid} (a) b) {state} 1 1 1 0 -1\n")
+    return str(tmp_path)
+
+
+def test_read_maps_from_proc_root(tmp_path: Path) -> None:
+    root = _fake_proc(tmp_path, 4242, MAPS)
+    ms = read_maps(4242, root)
+    assert len(ms) == len(MAPS.splitlines())
+    assert [m.start for m in ms] == sorted(m.start for m in ms)
+
+
+def test_read_maps_process_gone(tmp_path: Path) -> None:
+    with pytest.raises(ProcessGone) as exc:
+        read_maps(4242, str(tmp_path))
+    assert exc.value.pid == 4242
+    assert isinstance(exc.value, SymbolizationError)
+
+
+def test_empty_maps_of_zombie_is_gone_of_kernel_thread_is_empty(tmp_path: Path) -> None:
+    root = _fake_proc(tmp_path, 1, "", state="Z")
+    assert process_exited(1, root)
+    with pytest.raises(ProcessGone):
+        read_maps(1, root)
+    root = _fake_proc(tmp_path, 2, "", state="I")
+    assert not process_exited(2, root)
+    assert read_maps(2, root) == []
+
+
+def test_read_maps_malformed_is_symbolization_error(tmp_path: Path) -> None:
+    root = _fake_proc(tmp_path, 7, "this is not a maps file\n")
+    with pytest.raises(SymbolizationError, match="malformed"):
+        read_maps(7, root)
+
+
+def test_real_exited_process_is_gone() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert process_exited(proc.pid)
+    with pytest.raises(ProcessGone):
+        read_maps(proc.pid)
+
+
+def test_real_own_maps() -> None:
+    ms = read_maps(os.getpid())
+    libc = ctypes.CDLL(None)
+    addr = ctypes.cast(libc.getpid, ctypes.c_void_p).value
+    assert addr is not None
+    m = find_mapping(ms, addr)
+    assert m is not None
+    assert m.is_exec and m.is_file_backed
+    assert m.basename.startswith("libc")
+    assert not process_exited(os.getpid())

@@ -1,0 +1,378 @@
+"""ProcessSymbolizer against live processes and a synthetic /proc tree.
+
+Live targets are compiled from tests/unit/csrc at test time; each prints the
+addresses of known functions, so every assertion is on an exact name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from tramprof.symbols.elf import ElfCache
+from tramprof.symbols.procmaps import Mapping
+from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
+
+CSRC = Path(__file__).parent / "csrc"
+CFLAGS = ["-O2", "-fno-omit-frame-pointer"]
+BASE = 0x555555554000
+
+pytestmark = pytest.mark.skipif(
+    not all(shutil.which(t) for t in ("gcc", "readelf", "strip")),
+    reason="needs gcc and binutils (readelf, strip) to build test binaries",
+)
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="opening /proc/PID/map_files/* needs CAP_SYS_ADMIN (run as root)",
+)
+
+
+def _run(*cmd: str | Path) -> str:
+    return subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True).stdout
+
+
+def _funcs(path: Path, dynamic: bool = False) -> dict[str, int]:
+    """name -> ELF vaddr of defined functions, per readelf (independent of the code)."""
+    out: dict[str, int] = {}
+    for line in _run("readelf", "-W", "--dyn-syms" if dynamic else "--syms", path).splitlines():
+        parts = line.split()
+        if len(parts) == 8 and parts[3] in ("FUNC", "IFUNC") and parts[6] != "UND":
+            out[parts[7].split("@")[0]] = int(parts[1], 16)
+    return out
+
+
+def _exec_load(path: Path) -> tuple[int, int, int]:
+    """(offset, vaddr, filesz) of the executable PT_LOAD, per readelf."""
+    for line in _run("readelf", "-lW", path).splitlines():
+        parts = line.split()
+        if parts and parts[0] == "LOAD" and "E" in parts[7:-1]:
+            return int(parts[1], 16), int(parts[2], 16), int(parts[4], 16)
+    raise AssertionError(f"no executable PT_LOAD in {path}")
+
+
+@pytest.fixture(scope="module")
+def bins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("userbins")
+    b = {
+        "pie": d / "target_pie",
+        "nopie": d / "target_nopie",
+        "lib": d / "libtramprof_unit.so",
+        "dlopen": d / "dlopen_target",
+        "pie_stripped": d / "target_stripped",
+    }
+    _run("gcc", *CFLAGS, "-fPIE", "-pie", "-o", b["pie"], CSRC / "target.c")
+    _run("gcc", *CFLAGS, "-fno-pie", "-no-pie", "-o", b["nopie"], CSRC / "target.c")
+    _run("gcc", *CFLAGS, "-shared", "-fPIC", "-o", b["lib"], CSRC / "shlib.c")
+    _run("gcc", *CFLAGS, "-o", b["dlopen"], CSRC / "dlopen_target.c", "-ldl")
+    _run("strip", "-o", b["pie_stripped"], b["pie"])
+    return b
+
+
+@contextmanager
+def running(*argv: str | Path) -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
+    """Start a target, yield it with the addresses it printed, end it on exit."""
+    proc = subprocess.Popen(
+        [str(a) for a in argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"target {argv[0]} failed: {proc.stderr.read()}")
+        yield proc, [int(x, 16) for x in line.split()]
+    finally:
+        if proc.poll() is None:
+            proc.stdin.close()
+            proc.wait(timeout=5)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def _symbolizer(
+    pid: int,
+    proc_root: str = "/proc",
+    anon_resolver: Callable[[Mapping, int], str | None] | None = None,
+    maps_refresh_interval: float = 1.0,
+) -> ProcessSymbolizer:
+    return ProcessSymbolizer(
+        pid,
+        ElfCache(),
+        SymbolizationStats(),
+        proc_root=proc_root,
+        anon_resolver=anon_resolver,
+        maps_refresh_interval=maps_refresh_interval,
+    )
+
+
+# -- live processes ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["pie", "nopie"])
+def test_live_executable_functions(bins: dict[str, Path], which: str) -> None:
+    with running(bins[which]) as (proc, (leaf, static)):
+        sym = _symbolizer(proc.pid)
+        assert sym.resolve(leaf) == "tramprof_unit_leaf"
+        assert sym.resolve(leaf + 4) == "tramprof_unit_leaf"
+        assert sym.resolve(static) == "tramprof_unit_static"
+        assert sym.stats.total() == 0
+    if which == "nopie":
+        assert leaf == _funcs(bins["nopie"])["tramprof_unit_leaf"]
+    else:
+        assert leaf != _funcs(bins["pie"])["tramprof_unit_leaf"]  # relocated
+
+
+def test_live_stripped_gives_basename_plus_vaddr(bins: dict[str, Path]) -> None:
+    vaddr = _funcs(bins["pie"])["tramprof_unit_leaf"]
+    with running(bins["pie_stripped"]) as (proc, (leaf, _static)):
+        sym = _symbolizer(proc.pid)
+        # The ELF vaddr, as addr2line -e target_pie expects it.
+        assert sym.resolve(leaf) == f"target_stripped+0x{vaddr:x}"
+        assert sym.stats["no_symbol"] == 1
+
+
+def test_shared_elf_cache_parses_once(bins: dict[str, Path]) -> None:
+    cache, stats = ElfCache(), SymbolizationStats()
+    with running(bins["pie"]) as (p1, (leaf1, _)), running(bins["pie"]) as (p2, (leaf2, _)):
+        assert ProcessSymbolizer(p1.pid, cache, stats).resolve(leaf1) == "tramprof_unit_leaf"
+        assert ProcessSymbolizer(p2.pid, cache, stats).resolve(leaf2) == "tramprof_unit_leaf"
+    assert cache.misses == 1
+
+
+def test_process_gone_before_first_resolve(bins: dict[str, Path]) -> None:
+    with running(bins["pie"]) as (proc, (leaf, _)):
+        sym = _symbolizer(proc.pid)
+        proc.kill()
+        proc.wait()
+        assert sym.resolve(leaf) == "[unknown]"
+        assert sym.mappings == []
+        assert not sym.is_anonymous_exec(leaf)
+    assert sym.stats.snapshot() == {"process_gone": 1}
+
+
+def test_process_gone_after_maps_were_read(bins: dict[str, Path]) -> None:
+    with running(bins["pie"]) as (proc, (leaf, _)):
+        sym = _symbolizer(proc.pid)
+        m = sym.mapping_for(leaf)
+        assert m is not None and m.is_exec
+        proc.kill()
+        proc.wait()
+        offset = leaf - m.start + m.offset
+        assert sym.resolve(leaf) == f"target_pie+0x{offset:x}"
+    assert sym.stats.snapshot() == {"process_gone": 1}
+
+
+@needs_root
+def test_dlopened_library_deleted_resolves_via_map_files(
+    bins: dict[str, Path], tmp_path: Path
+) -> None:
+    lib = tmp_path / "libdeleted.so"
+    shutil.copy(bins["lib"], lib)
+    with running(bins["dlopen"], lib) as (proc, (func,)):
+        lib.unlink()
+        sym = _symbolizer(proc.pid)
+        m = sym.mapping_for(func)
+        assert m is not None and m.is_deleted
+        assert sym.resolve(func) == "tramprof_lib_func"
+        assert sym.stats.total() == 0
+
+
+@needs_root
+def test_dlopened_library_replaced_on_disk_uses_mapped_object(
+    bins: dict[str, Path], tmp_path: Path
+) -> None:
+    lib = tmp_path / "libreplaced.so"
+    shutil.copy(bins["lib"], lib)
+    with running(bins["dlopen"], lib) as (proc, (func,)):
+        # Same path, different file: the inode check must reject it.
+        replacement = tmp_path / "other"
+        shutil.copy(bins["nopie"], replacement)
+        os.replace(replacement, lib)
+        sym = _symbolizer(proc.pid)
+        assert sym.resolve(func) == "tramprof_lib_func"
+
+
+@needs_root
+def test_memfd_library_in_own_process(bins: dict[str, Path]) -> None:
+    fd = os.memfd_create("tramprof unit lib")
+    try:
+        os.write(fd, bins["lib"].read_bytes())
+        lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+        addr = ctypes.cast(lib.tramprof_lib_func, ctypes.c_void_p).value
+        assert addr is not None
+        sym = _symbolizer(os.getpid())
+        m = sym.mapping_for(addr)
+        assert m is not None and m.is_memfd
+        assert sym.resolve(addr) == "tramprof_lib_func"
+    finally:
+        os.close(fd)
+
+
+def _own_vdso() -> tuple[int, bytes]:
+    libc = ctypes.CDLL(None)
+    libc.getauxval.restype = ctypes.c_ulong
+    libc.getauxval.argtypes = [ctypes.c_ulong]
+    base = int(libc.getauxval(33))  # AT_SYSINFO_EHDR
+    if not base:
+        pytest.skip("this process has no vdso")
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith("[vdso]"):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            return base, ctypes.string_at(base, end - start)
+    pytest.skip("no [vdso] line in /proc/self/maps")
+
+
+def test_vdso_of_own_process(tmp_path: Path) -> None:
+    base, image = _own_vdso()
+    dump = tmp_path / "vdso.so"
+    dump.write_bytes(image)
+    vaddr = _funcs(dump, dynamic=True)["__vdso_clock_gettime"]
+    seg_off, seg_vaddr, _ = _exec_load(dump)
+    addr = base + vaddr - seg_vaddr + seg_off
+    cache = ElfCache()
+    sym = ProcessSymbolizer(os.getpid(), cache, SymbolizationStats())
+    assert sym.resolve(addr) == "__vdso_clock_gettime"
+    assert sym.resolve(addr + 1) == "__vdso_clock_gettime"
+    assert sym.stats.total() == 0
+    # Another symbolizer of the same vdso reuses the parsed image.
+    misses = cache.misses
+    assert ProcessSymbolizer(os.getpid(), cache).resolve(addr) == "__vdso_clock_gettime"
+    assert cache.misses == misses
+
+
+def test_anonymous_exec_memory_and_maps_refresh() -> None:
+    sym_stale = _symbolizer(os.getpid(), maps_refresh_interval=3600.0)
+    seen: list[tuple[Mapping, int]] = []
+
+    def jit(m: Mapping, addr: int) -> str | None:
+        seen.append((m, addr))
+        return "jit:compiled_fn"
+
+    sym = _symbolizer(os.getpid(), anon_resolver=jit, maps_refresh_interval=0.0)
+    assert sym.mappings and sym_stale.mappings  # maps read before the region exists
+    region = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    try:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(region)) + 16
+        assert sym.is_anonymous_exec(addr)
+        assert sym.resolve(addr) == "jit:compiled_fn"
+        assert seen[0][1] == addr and seen[0][0].contains(addr)
+        assert sym_stale.resolve(addr) == "[unknown]"  # not re-read within the interval
+        assert sym_stale.stats["no_mapping"] == 1
+        plain = _symbolizer(os.getpid())
+        assert plain.resolve(addr) == "[anon]"
+        assert plain.stats["anon_unresolved"] == 1
+    finally:
+        del seen[:]
+        region.close()
+
+
+# -- synthetic /proc tree ------------------------------------------------------
+
+
+@pytest.fixture
+def fake_proc(bins: dict[str, Path], tmp_path: Path) -> tuple[str, int, dict[str, int]]:
+    """A /proc/4242 whose root holds the PIE target at a path with spaces.
+
+    Returns (proc_root, pid, addresses by name). There is no map_files and
+    no mem, like a process whose private files we may not open.
+    """
+    pid = 4242
+    proc = tmp_path / "proc" / str(pid)
+    exe_path = "/opt/my app/target bin"
+    exe = proc / "root" / exe_path.lstrip("/")
+    exe.parent.mkdir(parents=True)
+    shutil.copy(bins["pie"], exe)
+    junk = proc / "root" / "junk.bin"
+    junk.write_bytes(b"#!/bin/sh\n" * 100)
+    fifo = proc / "root" / "pipe"
+    os.mkfifo(fifo)
+    (proc / "stat").write_text(f"{pid} (target bin) S 1 1 1 0 -1\n")
+
+    seg_off, seg_vaddr, filesz = _exec_load(bins["pie"])
+    start = BASE + (seg_vaddr & ~0xFFF)
+    end = start + ((filesz + (seg_vaddr & 0xFFF) + 0xFFF) & ~0xFFF)
+    ino = exe.stat().st_ino
+    lines = [
+        f"{start:x}-{end:x} r-xp {seg_off & ~0xFFF:08x} fe:00 {ino}  {exe_path}",
+        f"{end:x}-{end + 0x1000:x} rw-p 00000000 00:00 0 ",
+        f"600000000000-600000001000 r-xp 00000000 fe:00 {junk.stat().st_ino}  /junk.bin",
+        f"600000001000-600000002000 r-xp 00000000 fe:00 {ino + 1}  /opt/my app/target bin",
+        "600000003000-600000004000 rwxp 00000000 00:00 0  [anon:jit]",
+        f"600000005000-600000006000 r-xp 00000000 fe:00 {fifo.stat().st_ino}  /pipe",
+        "7ffd1b7d6000-7ffd1b7d8000 r-xp 00000000 00:00 0  [vdso]",
+        "ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0  [vsyscall]",
+    ]
+    (proc / "maps").write_text("\n".join(lines) + "\n")
+    addrs = {name: BASE + v for name, v in _funcs(bins["pie"]).items()}
+    addrs["data"] = end + 8
+    return str(tmp_path / "proc"), pid, addrs
+
+
+def test_container_root_path_with_spaces(fake_proc: tuple[str, int, dict[str, int]]) -> None:
+    root, pid, addrs = fake_proc
+    sym = _symbolizer(pid, proc_root=root)
+    assert sym.resolve(addrs["tramprof_unit_leaf"]) == "tramprof_unit_leaf"
+    assert sym.resolve(addrs["main"] + 2) == "main"
+    assert sym.stats.total() == 0
+
+
+def test_fallbacks_are_printable_and_counted(fake_proc: tuple[str, int, dict[str, int]]) -> None:
+    root, pid, addrs = fake_proc
+    sym = _symbolizer(pid, proc_root=root)
+    assert sym.resolve(0x600000000010) == "junk.bin+0x10"  # not ELF
+    assert sym.resolve(0x600000001020) == "target bin+0x20"  # inode mismatch, no map_files
+    assert sym.resolve(0x600000003000) == "[anon]"
+    assert sym.resolve(0x7FFD1B7D6010) == "[vdso]+0x10"  # no /proc/PID/mem
+    assert sym.resolve(0xFFFFFFFFFF600400) == "[vsyscall]"
+    assert sym.resolve(addrs["data"]) == "[unknown]"  # not executable
+    assert sym.resolve(0x10) == "[unknown]"
+    assert sym.stats.snapshot() == {
+        "not_elf": 1,
+        "file_unreadable": 1,
+        "anon_unresolved": 1,
+        "vdso_unreadable": 1,
+        "not_executable": 1,
+        "no_mapping": 1,
+    }
+    assert sym.is_anonymous_exec(0x600000003000)
+    assert not sym.is_anonymous_exec(addrs["main"])
+    assert not sym.is_anonymous_exec(0x10)
+
+
+def test_fifo_at_mapped_path_is_not_opened_for_reading(
+    fake_proc: tuple[str, int, dict[str, int]],
+) -> None:
+    root, pid, _ = fake_proc
+    sym = _symbolizer(pid, proc_root=root)
+    assert sym.resolve(0x600000005010) == "pipe+0x10"  # and did not block
+    assert sym.stats.snapshot() == {"file_unreadable": 1}
+
+
+def test_anon_resolver_exception_degrades(fake_proc: tuple[str, int, dict[str, int]]) -> None:
+    root, pid, _ = fake_proc
+
+    def broken(m: Mapping, addr: int) -> str | None:
+        raise RuntimeError("perf map parse failed")
+
+    sym = _symbolizer(pid, proc_root=root, anon_resolver=broken)
+    assert sym.resolve(0x600000003000) == "[anon]"
+    assert sym.stats["anon_resolver_error"] == 1
+
+
+def test_unreadable_maps(tmp_path: Path) -> None:
+    (tmp_path / "9").mkdir()
+    (tmp_path / "9" / "stat").write_text("9 (x) S 1\n")
+    (tmp_path / "9" / "maps").write_text("garbage\n")
+    sym = _symbolizer(9, proc_root=str(tmp_path))
+    assert sym.resolve(0x1000) == "[unknown]"
+    assert sym.stats.snapshot() == {"maps_unreadable": 1}
