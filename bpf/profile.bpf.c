@@ -27,6 +27,9 @@
 #ifndef TP_MAX_KSTACKS
 #define TP_MAX_KSTACKS 8192
 #endif
+#ifndef TP_MAX_SEEN
+#define TP_MAX_SEEN 16384
+#endif
 #ifndef TP_MAX_TARGETS
 #define TP_MAX_TARGETS 4096
 #endif
@@ -52,6 +55,8 @@ BPF_PERCPU_ARRAY(scratch, struct tp_user_stack, 1);
 BPF_HASH(counts, struct tp_count_key, __u64, TP_MAX_KEYS);
 BPF_F_TABLE("hash", struct tp_ustack_key, struct tp_user_stack, ustacks, TP_MAX_USTACKS,
             BPF_F_NO_PREALLOC);
+BPF_TABLE("lru_hash", struct tp_process_seen, __u8, seen_processes, TP_MAX_SEEN);
+BPF_PERF_OUTPUT(new_processes);
 BPF_STACK_TRACE(kstacks0, TP_MAX_KSTACKS);
 BPF_STACK_TRACE(kstacks1, TP_MAX_KSTACKS);
 
@@ -224,6 +229,15 @@ int on_sample(struct bpf_perf_event_data *ctx)
             return 0;
         }
         key.sample.ustack_hash = hash;
+
+        struct tp_process_seen seen = {.tgid = tgid,
+                                       .start_boottime = key.sample.start_boottime,
+                                       .exec_id = key.sample.exec_id};
+        if (!seen_processes.lookup(&seen)) {
+            __u8 yes = 1;
+            seen_processes.update(&seen, &yes);
+            new_processes.perf_submit(ctx, &seen, sizeof(seen));
+        }
     }
 
     __u64 one = 1;

@@ -63,4 +63,14 @@ struct tp_sample_key {
     char comm[TP_COMM_LEN]; /* thread name */
 };
 
+/* Sent once per process image the first time it is sampled, so the daemon
+ * reads its maps and binaries while it still runs (short-lived processes
+ * would be gone by the next drain). */
+struct tp_process_seen {
+    __u32 tgid;
+    __u32 pad;
+    __u64 start_boottime;
+    __u64 exec_id;
+};
+
 #endif

@@ -76,3 +76,10 @@ class UserStackKey(ctypes.Structure):
     """Key of the ``ustacks`` map (defined in profile.bpf.c)."""
 
     _fields_ = [("hash", ctypes.c_uint64), ("buffer", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+
+
+class ProcessSeen(ctypes.Structure):
+    """Event sent the first time a process image is sampled."""
+
+    _fields_ = [("tgid", ctypes.c_uint32), ("pad", ctypes.c_uint32),
+                ("start_boottime", ctypes.c_uint64), ("exec_id", ctypes.c_uint64)]

@@ -103,7 +103,8 @@ class KernelBtf:
         ptr = self._lib.btf__type_by_id(self._btf, type_id)
         if not ptr:
             raise BtfError(f"BTF type id {type_id} not found in {self.path}")
-        return ptr.contents
+        contents: _BtfType = ptr.contents
+        return contents
 
     def _skip_modifiers(self, type_id: int) -> int:
         for _ in range(32):

@@ -18,7 +18,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _add_pids(parser: argparse.ArgumentParser) -> None:
+def _add_pids(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
     parser.add_argument("--pid", "-p", dest="pids", type=int, nargs="+", action="extend",
                         metavar="PID", help="profile only these processes (repeatable)")
 

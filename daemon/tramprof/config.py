@@ -85,9 +85,9 @@ def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
             value = float(value)
         if not isinstance(value, want) or isinstance(value, bool):
             raise ConfigError(f"{key}: expected {want.__name__}, got {type(value).__name__}")
-        if key == "pids":
+        if isinstance(value, list):
             if not all(isinstance(p, int) and not isinstance(p, bool) for p in value):
-                raise ConfigError("pids: expected a list of integers")
+                raise ConfigError(f"{key}: expected a list of integers")
             value = tuple(value)
         changes[key] = value
     return replace(base or Config(), **changes).validated()

@@ -16,10 +16,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tramprof.procinfo import ProcessIdentity, boottime_ns_to_ticks, read_comm
 from tramprof.processes import ProcessEvent, ProcessTable
+from tramprof.procinfo import ProcessIdentity, boottime_ns_to_ticks, read_comm
 from tramprof.symbols.elf import ElfCache
-from tramprof.symbols.errors import SymbolizationError
+from tramprof.symbols.errors import ProcessGone, SymbolizationError
 from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,9 @@ class ProcessRegistry:
     def __len__(self) -> int:
         return len(self._table)
 
+    def identities(self) -> list[ProcessIdentity]:
+        return self._table.identities()
+
     def identity(self, tgid: int, start_boottime_ns: int) -> ProcessIdentity:
         return ProcessIdentity(tgid, boottime_ns_to_ticks(start_boottime_ns))
 
@@ -81,15 +84,20 @@ class ProcessRegistry:
                 name = read_comm(identity.pid, self.proc_root)
             except (OSError, SymbolizationError):
                 name = fallback_name
-            return ProcessState(name=name)
+            return ProcessState(name=name or fallback_name)
 
         return self._table.get_or_create(identity.pid, identity.start_ticks, create)
 
     def image(self, tgid: int, start_boottime_ns: int, exec_id: int,
-              fallback_name: str) -> tuple[str, ProcessImage]:
-        """Process name and the image that was running at ``exec_id``."""
+              fallback_name: str) -> tuple[str, ProcessImage | None]:
+        """Process name and the image that was running at ``exec_id``; no image
+        when the process exited before the daemon ever looked at it."""
         identity = self.identity(tgid, start_boottime_ns)
-        state = self._state(identity, fallback_name)
+        try:
+            state = self._state(identity, fallback_name)
+        except ProcessGone:
+            self.failures["process_exited"] += 1
+            return fallback_name, None
         image = state.images.get(exec_id)
         if image is None:
             if state.images and exec_id < max(state.images):
@@ -103,11 +111,27 @@ class ProcessRegistry:
                 del state.images[min(state.images)]
         return state.name, image
 
+    def warm(self, tgid: int, start_boottime_ns: int, exec_id: int) -> None:
+        """Build a process image's symbolizer right away (it was just sampled
+        for the first time and may not live until the next drain)."""
+        identity = self.identity(tgid, start_boottime_ns)
+        try:
+            state = self._state(identity, "")
+        except ProcessGone:
+            return
+        if exec_id not in state.images:
+            symbolizer = self._symbolizer(identity.pid)
+            if symbolizer is not None:
+                symbolizer.preload()
+            state.images[exec_id] = ProcessImage(symbolizer=symbolizer)
+            while len(state.images) > MAX_IMAGES:
+                del state.images[min(state.images)]
+
     def _symbolizer(self, pid: int) -> ProcessSymbolizer | None:
         anon = self._anon_factory(pid) if self._anon_factory else None
         try:
-            return ProcessSymbolizer(pid, proc_root=self.proc_root, elf_cache=self.elf_cache,
-                                     anon_resolver=anon, stats=self.symbolization_stats)
+            return ProcessSymbolizer(pid, self.elf_cache, self.symbolization_stats,
+                                     proc_root=self.proc_root, anon_resolver=anon)
         except SymbolizationError as exc:
             self.failures["process_gone"] += 1
             log.debug("no symbolizer for pid %d: %s", pid, exc)

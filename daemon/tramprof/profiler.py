@@ -34,19 +34,27 @@ class Profiler:
         if self.config.pids:
             self.sampler.set_targets(self.config.pids)
 
-    def event_fd(self) -> int | None:
-        fileno = getattr(self.events, "fileno", None)
-        return fileno() if fileno else None
+    def event_fds(self) -> list[int]:
+        """Descriptors to wait on: lifecycle events and newly sampled processes."""
+        fds = self.sampler.event_fds()
+        fd = self.events.fileno()
+        if fd is not None:
+            fds.append(fd)
+        return fds
 
     def poll_process_events(self) -> None:
-        """Read pending lifecycle events; they are applied after the next drain."""
-        events = self.events.read_events() if hasattr(self.events, "read_events") \
-            else self.events.poll()
+        """Warm newly sampled processes, queue lifecycle events (applied after
+        the next drain)."""
+        for tgid, start, exec_id in self.sampler.new_processes():
+            try:
+                self.registry.warm(tgid, start, exec_id)
+            except Exception:
+                log.exception("cannot prepare symbols of pid %d", tgid)
+        events = self.events.read_events()
         for event in events:
             self.stats.process_events[event.kind] += 1
-        overruns = getattr(self.events, "overruns", 0)
-        if overruns > self.stats.process_events["overrun"]:
-            self.stats.process_events["overrun"] = overruns
+        self.stats.process_events["overrun"] = self.events.overruns
+        if self.events.take_resync_request():
             self.registry.resync()
         self.registry.defer(events)
 
@@ -56,7 +64,14 @@ class Profiler:
         samples = self.sampler.drain()
         # Newest image first: it is the one /proc shows now (see process_state).
         samples.sort(key=lambda s: (s.tgid, s.start_boottime_ns, -s.exec_id))
-        stacks = [self._symbolize(sample) for sample in samples]
+        stacks = []
+        for sample in samples:
+            try:
+                stacks.append(self._symbolize(sample))
+            except Exception:
+                # A bug in one stack must not stop the daemon; count it, keep the rest.
+                self.stats.symbolization_failures["internal_error"] += sample.count
+                log.exception("cannot symbolize a sample of pid %d", sample.tgid)
         self.poll_process_events()
         self.registry.apply_pending()
         for stack in stacks:
@@ -70,13 +85,12 @@ class Profiler:
         return stacks
 
     def _symbolize(self, sample: RawSample) -> Stack:
-        has_user = bool(sample.user_frames)
-        if has_user:
+        user = None
+        process = sample.comm
+        if sample.user_frames:
             process, image = self.registry.image(sample.tgid, sample.start_boottime_ns,
                                                  sample.exec_id, sample.comm)
-            user = image.resolve
-        else:
-            process, user = sample.comm, None
+            user = image.resolve if image else None
         frames = stack_frames(sample, user, self.kernel.resolve,
                               self.stats.symbolization_failures)
         return Stack(pid=sample.tgid, process=process, comm=sample.comm, frames=frames,
@@ -87,9 +101,7 @@ class Profiler:
 
     def close(self) -> None:
         self.sampler.close()
-        close = getattr(self.events, "close", None)
-        if close:
-            close()
+        self.events.close()
 
 
 def aggregate_folded(stacks: list[Stack]) -> Counter[tuple[str, ...]]:

@@ -129,7 +129,7 @@ def _load_hint(log_text: str) -> str:
                 "them under /lib/modules/$(uname -r)/build)")
     if "Permission denied" in log_text or "Operation not permitted" in log_text:
         return "loading BPF needs root or CAP_BPF + CAP_PERFMON"
-    if "invalid" in log_text or "R" in log_text and "!read_ok" in log_text:
+    if "invalid" in log_text or ("R" in log_text and "!read_ok" in log_text):
         return ("the kernel's verifier rejected the program; the log above says at which "
                 "instruction — report it together with `uname -r`")
     return "see the compiler / verifier output above"
@@ -144,6 +144,8 @@ class Sampler:
         self._bpf: Any = None
         self._active = 0
         self._filter: list[int] | None = None
+        self._new_processes: list[tuple[int, int, int]] = []
+        self.new_process_events_lost = 0
         self.event_name = ""
 
     def start(self) -> None:
@@ -169,7 +171,33 @@ class Sampler:
         if output.strip():
             log.debug("bcc compiler output:\n%s", output)
         self._write_config()
+        self._open_new_process_events()
         self._attach()
+
+    def _open_new_process_events(self) -> None:
+        def on_event(cpu: int, data: Any, size: int) -> None:
+            if size < ctypes.sizeof(bpf_layout.ProcessSeen):
+                return
+            event = ctypes.cast(data, ctypes.POINTER(bpf_layout.ProcessSeen)).contents
+            self._new_processes.append(
+                (int(event.tgid), int(event.start_boottime), int(event.exec_id)))
+
+        def on_lost(lost: int) -> None:
+            self.new_process_events_lost += int(lost)
+
+        self._bpf[b"new_processes"].open_perf_buffer(on_event, page_cnt=16, lost_cb=on_lost)
+
+    def event_fds(self) -> list[int]:
+        """File descriptors that become readable when new processes were seen."""
+        from bcc.libbcc import lib
+
+        return [int(lib.perf_reader_fd(reader)) for reader in self._bpf.perf_buffers.values()]
+
+    def new_processes(self) -> list[tuple[int, int, int]]:
+        """(tgid, start_boottime_ns, exec_id) of images sampled for the first time."""
+        self._bpf.perf_buffer_consume()
+        seen, self._new_processes = self._new_processes, []
+        return seen
 
     def _attach(self) -> None:
         from bcc import PerfHWConfig, PerfSWConfig, PerfType
@@ -269,7 +297,7 @@ class Sampler:
         for raw, _key, _count in entries:
             with contextlib.suppress(KeyError):
                 del counts[bpf_layout.CountKey.from_buffer_copy(raw)]
-        for skey in [k for k in ustacks.keys() if k.buffer == old]:
+        for skey in [k for k in ustacks if k.buffer == old]:
             with contextlib.suppress(KeyError):
                 del ustacks[skey]
         for stack_id in kernel_cache:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import signal
@@ -55,17 +56,16 @@ class Daemon:
         try:
             while not self._stop:
                 timeout = max(0.0, next_drain - time.monotonic())
-                fd = self.profiler.event_fd()
-                if fd is not None:
-                    try:
-                        select.select([fd], [], [], min(timeout, 1.0))
-                    except InterruptedError:
-                        pass
-                else:
-                    time.sleep(min(timeout, 1.0))
+                fds = self.profiler.event_fds()
+                with contextlib.suppress(InterruptedError):
+                    select.select(fds, [], [], min(timeout, 1.0))
                 self.profiler.poll_process_events()
                 if time.monotonic() >= next_drain:
-                    self.drain()
+                    try:
+                        self.drain()
+                    except Exception:
+                        # Keep sampling; /healthz turns unhealthy if this persists.
+                        log.exception("drain failed")
                     next_drain = time.monotonic() + self.config.interval
         finally:
             self.profiler.close()

@@ -18,7 +18,7 @@ from tramprof.sampler import RawSample
 
 TRUNCATED = "[truncated]"
 KERNEL_LOST = "[kernel stack lost]"
-USER_LOST = "[user stack lost]"
+PROCESS_EXITED = "[process exited]"
 UNKNOWN_KERNEL = "[unknown kernel]"
 
 
@@ -72,7 +72,7 @@ def stack_frames(sample: RawSample, user: UserResolver | None, kernel: KernelRes
         if sample.user_flags & bpf_layout.USTACK_TRUNCATED:
             frames.append(TRUNCATED)
         if user is None:
-            frames.append(USER_LOST)
+            frames.append(PROCESS_EXITED)
         else:
             frames.extend(symbolize_user(sample.user_frames, user))
     frames.extend(symbolize_kernel(sample.kernel_ips, kernel, failures))

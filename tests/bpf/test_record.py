@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import subprocess
+import time
+
+from tramprof.folded import parse_folded
 
 from tests.conftest import TRAMPROF, requires_root
-from tramprof.folded import parse_folded
 
 pytestmark = requires_root
 
@@ -42,6 +44,26 @@ def test_known_chain_is_exact(targets, start_target):
 
     good = sum(count for stack, count in stacks.items() if exact(stack))
     assert good / total >= 0.95, sorted(stacks.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_short_lived_processes_are_symbolized(targets):
+    """Processes that live 20 ms are named: the daemon reads their maps and
+    binaries when they are first sampled, not at the next drain."""
+    recorder = subprocess.Popen(
+        [TRAMPROF, "record", "--all", "--duration", "8", "--frequency", "999"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2)  # the BPF program compiles and attaches
+    subprocess.run(["/bin/sh", "-c",
+                    f"for i in $(seq 100); do {targets / 'chain'} 0.02 >/dev/null; done"],
+                   check=True, timeout=60)
+    out, err = recorder.communicate(timeout=60)
+    assert recorder.returncode == 0, err
+    stacks = {k: v for k, v in parse_folded(out).items() if k[0] == "chain"}
+    total = sum(stacks.values())
+    assert total > 500, total
+    named = sum(count for stack, count in stacks.items()
+                if stack[-4:] == ("main", "chain_a", "chain_b", "chain_c"))
+    assert named / total >= 0.8, sorted(stacks.items(), key=lambda kv: -kv[1])[:5]
 
 
 def test_syscall_shows_the_kernel_read_path(targets, start_target):

@@ -6,11 +6,11 @@ import time
 from collections import Counter
 
 import pytest
-
-from tests.conftest import requires_root
 from tramprof.bpf_layout import MAX_FRAMES, USTACK_TRUNCATED
 from tramprof.bpf_layout import Counter as C
 from tramprof.sampler import Sampler, SamplerConfig, SamplerError
+
+from tests.conftest import requires_root
 
 pytestmark = requires_root
 
