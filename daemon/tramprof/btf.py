@@ -53,7 +53,7 @@ class FieldInfo:
 
 
 @cache
-def _libbpf() -> ctypes.CDLL:
+def libbpf() -> ctypes.CDLL:
     name = ctypes.util.find_library("bpf") or "libbpf.so.1"
     try:
         lib = ctypes.CDLL(name, use_errno=True)
@@ -78,7 +78,7 @@ class KernelBtf:
     """Read-only view of one BTF file; resolves dotted field paths."""
 
     def __init__(self, path: str = VMLINUX_BTF) -> None:
-        self._lib = _libbpf()
+        self._lib = libbpf()
         handle = self._lib.btf__parse(path.encode(), None)
         # libbpf 1.x returns NULL and sets errno on failure.
         if not handle:

@@ -74,9 +74,17 @@ class Profiler:
                 log.exception("cannot symbolize a sample of pid %d", sample.tgid)
         self.poll_process_events()
         self.registry.apply_pending()
+        # A process whose main thread exits first sends no process-level exit
+        # event; a /proc check after every drain catches it.
+        self.registry.resync()
         for stack in stacks:
             self.stats.samples_by_process[stack.process] += stack.count
         self.stats.bpf_counters = self.sampler.counters()
+        run_time = self.sampler.run_time()
+        if run_time is not None:
+            self.stats.bpf_run_time_ns, self.stats.bpf_run_count = run_time
+        self.stats.process_events["new_process_events_lost"] = \
+            self.sampler.new_process_events_lost
         self.stats.processes = len(self.registry)
         self.stats.drains += 1
         self.stats.last_drain_seconds = time.monotonic() - began

@@ -146,6 +146,7 @@ class Sampler:
         self._filter: list[int] | None = None
         self._new_processes: list[tuple[int, int, int]] = []
         self.new_process_events_lost = 0
+        self._stats_fd: int | None = None
         self.event_name = ""
 
     def start(self) -> None:
@@ -173,6 +174,7 @@ class Sampler:
         self._write_config()
         self._open_new_process_events()
         self._attach()
+        self._enable_run_time_stats()
 
     def _open_new_process_events(self) -> None:
         def on_event(cpu: int, data: Any, size: int) -> None:
@@ -250,6 +252,31 @@ class Sampler:
         self._filter = wanted
         self._write_config()
 
+    def _enable_run_time_stats(self) -> None:
+        """Ask the kernel to account the program's run time while we hold the fd."""
+        from tramprof.btf import libbpf
+
+        lib = libbpf()
+        lib.bpf_enable_stats.restype = ctypes.c_int
+        lib.bpf_enable_stats.argtypes = [ctypes.c_int]
+        fd = lib.bpf_enable_stats(0)  # BPF_STATS_RUN_TIME
+        if fd < 0:
+            log.info("BPF run-time statistics unavailable (errno %d)", -fd)
+            return
+        self._stats_fd = fd
+
+    def run_time(self) -> tuple[int, int] | None:
+        """(nanoseconds, runs) of the sampling program, from the kernel's fdinfo."""
+        if self._bpf is None or self._stats_fd is None:
+            return None
+        try:
+            fd = self._bpf.funcs[b"on_sample"].fd
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            return int(fields["run_time_ns"]), int(fields["run_cnt"])
+        except (OSError, KeyError, ValueError):
+            return None
+
     def counters(self) -> dict[Counter, int]:
         """Cumulative BPF-side counters, summed over CPUs."""
         table = self._bpf[b"counters"]
@@ -318,6 +345,9 @@ class Sampler:
 
     def close(self) -> None:
         """Detach every perf event and unload the program and its maps."""
+        if self._stats_fd is not None:
+            os.close(self._stats_fd)
+            self._stats_fd = None
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None

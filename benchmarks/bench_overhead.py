@@ -1,0 +1,89 @@
+"""Workload slowdown caused by the daemon, and the daemon's own cost.
+
+A fixed CPU-bound native workload runs pinned to one CPU, alternately with
+no daemon, the daemon at 99 Hz and at 999 Hz (A/B/C order rotated every
+round, so drift in the machine affects all modes alike). Reported: median
+wall time per mode and slowdown against no daemon. Then the daemon runs at
+99 Hz for a while next to a busy process: its CPU use (% of one core), peak
+RSS, and the BPF program's run time per sample (kernel BPF statistics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+
+from common import Daemon, build_workload, median
+
+
+def run_workload(work: str, millions: int, cpu: int) -> float:
+    began = time.perf_counter()
+    subprocess.run(["taskset", "-c", str(cpu), work, str(millions)], check=True)
+    return time.perf_counter() - began
+
+
+def slowdown(work: str, rounds: int, millions: int) -> None:
+    modes = ["none", "99", "999"]
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    cpu = os.cpu_count() - 1 if os.cpu_count() else 0
+    run_workload(work, millions // 4, cpu)  # warm caches, CPU frequency
+    for r in range(rounds):
+        order = modes[r % 3:] + modes[:r % 3]
+        for mode in order:
+            daemon = None if mode == "none" else Daemon("--frequency", mode, "--interval", "10")
+            try:
+                times[mode].append(run_workload(work, millions, cpu))
+            finally:
+                if daemon:
+                    daemon.stop()
+    base = median(times["none"])
+    print(f"workload: {millions}M iterations pinned to CPU {cpu}, {rounds} rounds per mode")
+    print(f"{'mode':>8} {'median s':>9} {'min s':>7} {'max s':>7} {'slowdown':>9}")
+    for mode in modes:
+        m = median(times[mode])
+        print(f"{mode:>8} {m:9.3f} {min(times[mode]):7.3f} {max(times[mode]):7.3f} "
+              f"{(m / base - 1) * 100:8.2f}%")
+
+
+def daemon_cost(work: str, seconds: float) -> None:
+    busy = subprocess.Popen([work, "100000"])
+    daemon = Daemon("--frequency", "99", "--interval", "10")
+    try:
+        cpu0, t0 = daemon.cpu_seconds(), time.monotonic()
+        time.sleep(seconds)
+        cpu1, t1 = daemon.cpu_seconds(), time.monotonic()
+        metrics = daemon.get("/metrics")
+        rss = daemon.peak_rss_mib()
+    finally:
+        daemon.stop()
+        busy.kill()
+        busy.wait()
+    values = {}
+    for line in metrics.splitlines():
+        if line.startswith(("tramprof_bpf_run_time_seconds_total", "tramprof_bpf_runs_total")):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    runs = values.get("tramprof_bpf_runs_total", 0)
+    per_sample = values.get("tramprof_bpf_run_time_seconds_total", 0) / runs * 1e6 if runs else 0
+    print(f"daemon at 99 Hz for {seconds:.0f} s with one busy process:")
+    print(f"  CPU: {(cpu1 - cpu0) / (t1 - t0) * 100:.2f}% of one core")
+    print(f"  peak RSS: {rss:.1f} MiB")
+    print(f"  BPF program: {per_sample:.2f} us per sample over {runs:.0f} runs")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--millions", type=int, default=3000,
+                        help="workload size (3000 ~ 3-4 s here)")
+    parser.add_argument("--cost-seconds", type=float, default=60)
+    args = parser.parse_args()
+    work = build_workload()
+    slowdown(work, args.rounds, args.millions)
+    daemon_cost(work, args.cost_seconds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Helpers shared by the benchmarks: build the workload, run the daemon."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TRAMPROF = str(Path(sys.executable).parent / "tramprof")
+
+
+def build_workload() -> str:
+    out = Path(tempfile.mkdtemp(prefix="tramprof-bench-")) / "work"
+    subprocess.run(["gcc", "-O2", "-fno-omit-frame-pointer", "-o", str(out),
+                    str(HERE / "work.c")], check=True)
+    return str(out)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Daemon:
+    """`tramprof run` in the background, ready once /healthz answers."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [TRAMPROF, "run", "--listen", f"127.0.0.1:{self.port}", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.get("/healthz")
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("daemon did not start") from None
+                time.sleep(0.1)
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
+            return str(r.read().decode())
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def peak_rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=30)
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

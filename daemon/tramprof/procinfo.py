@@ -1,0 +1,287 @@
+"""Reading per-process facts from ``/proc`` without tripping over races.
+
+Any process can exit between two reads, so every reader turns "the process is
+no longer there" (ENOENT, ESRCH) into :class:`ProcessGone`, which callers
+count instead of treating as an error. A process is identified by its pid
+*and* its start time (:class:`ProcessIdentity`), because pids are reused.
+
+Every function takes ``proc_root`` so tests can point it at a fixture tree and
+a containerised daemon at the host's ``/proc``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from tramprof.symbols.errors import ProcessGone
+
+__all__ = [
+    "ExecSignature",
+    "ProcStat",
+    "ProcessGone",
+    "ProcessIdentity",
+    "boottime_ns_to_ticks",
+    "list_pids",
+    "parse_stat",
+    "read_cgroup",
+    "read_cmdline",
+    "read_comm",
+    "read_exe",
+    "read_identity",
+    "read_nstgid",
+    "read_start_ticks",
+    "read_stat",
+]
+
+_NSEC_PER_SEC = 1_000_000_000
+
+# (start_code, end_code, start_stack): set by exec, randomised by ASLR.
+ExecSignature = tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessIdentity:
+    """A process, unambiguously: pids are reused, (pid, start time) is not.
+
+    ``start_ticks`` is field 22 of ``/proc/PID/stat``: clock ticks
+    (``SC_CLK_TCK``) since boot. Two processes cannot hold the same pid within
+    one tick, so the pair never names two processes.
+    """
+
+    pid: int
+    start_ticks: int
+
+    @classmethod
+    def from_boottime(
+        cls, pid: int, start_boottime_ns: int, clk_tck: int | None = None
+    ) -> ProcessIdentity:
+        """Identity of a BPF sample that carries ``task->start_boottime``."""
+        return cls(pid, boottime_ns_to_ticks(start_boottime_ns, clk_tck))
+
+
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    """The fields of ``/proc/PID/stat`` that lifecycle tracking needs."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    num_threads: int
+    start_ticks: int
+    start_code: int
+    end_code: int
+    start_stack: int
+
+    @property
+    def exec_signature(self) -> ExecSignature | None:
+        """Changes on every exec (with ASLR); None when the kernel hides it.
+
+        The kernel shows the code and stack addresses only to readers allowed
+        to ptrace the process (start/end_code read as 1, start_stack as 0
+        otherwise) and has none for kernel threads and zombies.
+        """
+        if self.start_stack == 0 and self.start_code <= 1:
+            return None
+        return (self.start_code, self.end_code, self.start_stack)
+
+    @property
+    def is_dead(self) -> bool:
+        """Exited but not yet reaped: its memory and mappings are gone.
+
+        A zombie thread-group leader whose other threads still run is alive
+        (``num_threads`` counts them), so it is not dead.
+        """
+        return self.state in ("Z", "X", "x") and self.num_threads <= 1
+
+
+def boottime_ns_to_ticks(ns: int, clk_tck: int | None = None) -> int:
+    """Convert ``task->start_boottime`` (ns) to the ticks ``/proc`` shows.
+
+    Mirrors the kernel's ``nsec_to_clock_t`` branch for branch, so a BPF
+    sample and a ``/proc`` read give exactly the same number. Assumes the
+    reader of ``/proc`` is in the initial time namespace (a time namespace
+    shifts the boottime that ``/proc/PID/stat`` reports).
+    """
+    hz = clk_tck if clk_tck is not None else os.sysconf("SC_CLK_TCK")
+    if hz <= 0:
+        raise ValueError(f"invalid clock tick rate {hz}")
+    if _NSEC_PER_SEC % hz == 0:
+        return ns // (_NSEC_PER_SEC // hz)
+    if hz % 512 == 0:
+        return ns * (hz // 512) // (_NSEC_PER_SEC // 512)
+    return ns * 9 // ((9 * _NSEC_PER_SEC + hz // 2) // hz)
+
+
+@contextmanager
+def _gone_if_vanished(pid: int, what: str) -> Iterator[None]:
+    """Map "no such process" errors to ProcessGone; let the rest through."""
+    try:
+        yield
+    except (FileNotFoundError, ProcessLookupError) as e:
+        raise ProcessGone(pid, f"cannot read {what}: {e.strerror or e}") from e
+
+
+def _read_bytes(pid: int, name: str, proc_root: str) -> bytes:
+    with _gone_if_vanished(pid, name), open(f"{proc_root}/{pid}/{name}", "rb") as f:
+        return f.read()
+
+
+def parse_stat(pid: int, data: bytes) -> ProcStat:
+    """Parse the text of ``/proc/PID/stat``.
+
+    comm is the text between the first ``(`` and the *last* ``)``: it may
+    contain spaces and parentheses itself, so splitting on spaces is wrong.
+    Raises ValueError when the text is not a stat line.
+    """
+    lparen = data.find(b"(")
+    rparen = data.rfind(b")")
+    if lparen < 0 or rparen < lparen:
+        raise ValueError(f"pid {pid}: malformed stat line {data[:64]!r}")
+    rest = data[rparen + 1 :].split()
+    # rest[0] is field 3 (state); field N is rest[N - 3].
+    if len(rest) < 20:
+        raise ValueError(f"pid {pid}: stat line has {len(rest) + 2} fields, need 22")
+
+    def field(n: int) -> int:
+        return int(rest[n - 3]) if len(rest) > n - 3 else 0
+
+    return ProcStat(
+        pid=pid,
+        comm=data[lparen + 1 : rparen].decode("utf-8", "replace"),
+        state=rest[0].decode("ascii", "replace"),
+        ppid=field(4),
+        num_threads=field(20),
+        start_ticks=field(22),
+        start_code=field(26),
+        end_code=field(27),
+        start_stack=field(28),
+    )
+
+
+def read_stat(pid: int, proc_root: str = "/proc") -> ProcStat:
+    """Read and parse ``/proc/PID/stat`` (one read: a consistent snapshot)."""
+    data = _read_bytes(pid, "stat", proc_root)
+    if not data:
+        # The task was reaped between open() and read().
+        raise ProcessGone(pid, "stat is empty")
+    return parse_stat(pid, data)
+
+
+def read_start_ticks(pid: int, proc_root: str = "/proc") -> int:
+    """Field 22 of ``/proc/PID/stat``: start time in clock ticks since boot."""
+    return read_stat(pid, proc_root).start_ticks
+
+
+def read_identity(pid: int, proc_root: str = "/proc") -> ProcessIdentity:
+    """The identity of whichever process holds ``pid`` right now."""
+    return ProcessIdentity(pid, read_start_ticks(pid, proc_root))
+
+
+def read_comm(pid: int, proc_root: str = "/proc") -> str:
+    """The thread-group leader's name (at most 15 bytes, any bytes but NUL).
+
+    Only the trailing newline the kernel appends is removed: a name may
+    itself end in whitespace. Undecodable bytes become U+FFFD, because the
+    name ends up in metric labels, which must be valid UTF-8.
+    """
+    data = _read_bytes(pid, "comm", proc_root)
+    if data.endswith(b"\n"):
+        data = data[:-1]
+    return data.decode("utf-8", "replace")
+
+
+def read_exe(pid: int, proc_root: str = "/proc") -> str | None:
+    """Path of the main executable, or None when it cannot be read.
+
+    None covers kernel threads and zombies (no mm), and processes we may not
+    ptrace. The path keeps the kernel's `` (deleted)`` suffix and is
+    surrogate-escaped like every ``os`` path, so it can be opened again.
+    Raises ProcessGone only when the process itself is gone.
+    """
+    try:
+        return os.readlink(f"{proc_root}/{pid}/exe")
+    except ProcessLookupError as e:
+        raise ProcessGone(pid, "exited while its exe was read") from e
+    except FileNotFoundError as e:
+        # ENOENT means either "no such pid" or "pid without an executable".
+        if not os.path.exists(f"{proc_root}/{pid}"):
+            raise ProcessGone(pid, "cannot read exe") from e
+        return None
+    except OSError:
+        return None
+
+
+def read_cmdline(pid: int, proc_root: str = "/proc") -> list[str]:
+    """The argument vector; empty for kernel threads and zombies.
+
+    A process that rewrote its arguments (setproctitle) may yield one
+    space-separated string; that is what it asked to show.
+    """
+    data = _read_bytes(pid, "cmdline", proc_root)
+    if not data:
+        return []
+    if data.endswith(b"\0"):
+        data = data[:-1]
+    return [arg.decode("utf-8", "replace") for arg in data.split(b"\0")]
+
+
+def read_cgroup(pid: int, proc_root: str = "/proc") -> str:
+    """The process's cgroup, as a string suitable for grouping and labels.
+
+    On a pure cgroup v2 host that is the path of the ``0::`` line. When v1
+    hierarchies are present (v1 or hybrid; the controllers live there) it is
+    the v1 path when every hierarchy agrees, else ``controllers:path`` pairs
+    joined with ``;`` in file order.
+    """
+    text = _read_bytes(pid, "cgroup", proc_root).decode("utf-8", "replace")
+    unified: str | None = None
+    v1: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            unified = path
+        else:
+            v1.append((controllers, path))
+    if not v1:
+        return unified if unified is not None else ""
+    paths = {path for _, path in v1}
+    if len(paths) == 1:
+        return paths.pop()
+    return ";".join(f"{controllers}:{path}" for controllers, path in v1)
+
+
+def read_nstgid(pid: int, proc_root: str = "/proc") -> list[int]:
+    """The process's pid in each nested pid namespace, outermost first.
+
+    The last element is the pid as the process itself sees it (innermost
+    namespace). Kernels without the ``NStgid`` line (< 4.1) give ``[Tgid]``.
+    """
+    data = _read_bytes(pid, "status", proc_root)
+    tgid: list[int] | None = None
+    for line in data.splitlines():
+        if line.startswith(b"NStgid:"):
+            return [int(x) for x in line[len(b"NStgid:") :].split()]
+        if line.startswith(b"Tgid:"):
+            tgid = [int(line[len(b"Tgid:") :])]
+    if tgid is None:
+        raise ValueError(f"{proc_root}/{pid}/status has neither NStgid nor Tgid")
+    return tgid
+
+
+def list_pids(proc_root: str = "/proc") -> list[int]:
+    """Pids of all processes (thread-group leaders) visible in ``proc_root``."""
+    pids = []
+    with os.scandir(proc_root) as it:
+        for entry in it:
+            name = entry.name
+            if name.isascii() and name.isdigit():
+                pids.append(int(name))
+    pids.sort()
+    return pids
