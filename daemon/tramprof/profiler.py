@@ -83,8 +83,7 @@ class Profiler:
         run_time = self.sampler.run_time()
         if run_time is not None:
             self.stats.bpf_run_time_ns, self.stats.bpf_run_count = run_time
-        self.stats.process_events["new_process_events_lost"] = \
-            self.sampler.new_process_events_lost
+        self.stats.new_process_events_lost = self.sampler.new_process_events_lost
         self.stats.processes = len(self.registry)
         self.stats.drains += 1
         self.stats.last_drain_seconds = time.monotonic() - began

@@ -15,6 +15,7 @@ class ProfilerStats:
     symbolization_failures: Counter[str] = field(default_factory=Counter)
     processes: int = 0
     process_events: Counter[str] = field(default_factory=Counter)
+    new_process_events_lost: int = 0
     drains: int = 0
     last_drain_seconds: float = 0.0
     bpf_run_time_ns: int | None = None
@@ -27,6 +28,7 @@ class ProfilerStats:
             symbolization_failures=Counter(self.symbolization_failures),
             processes=self.processes,
             process_events=Counter(self.process_events),
+            new_process_events_lost=self.new_process_events_lost,
             drains=self.drains,
             last_drain_seconds=self.last_drain_seconds,
             bpf_run_time_ns=self.bpf_run_time_ns,

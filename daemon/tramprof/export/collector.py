@@ -82,6 +82,10 @@ class ProfilerCollector(Collector):
             proc_events.add_metric([kind], count)
         yield proc_events
 
+        lost_events = _family(fam.NEW_PROCESS_EVENTS_LOST)
+        lost_events.add_metric([], stats.new_process_events_lost)
+        yield lost_events
+
         drains = _family(fam.DRAINS)
         drains.add_metric([], stats.drains)
         yield drains

@@ -55,7 +55,13 @@ PROCESSES = Family(
     "Processes with symbolization state held by the daemon.")
 PROCESS_EVENTS = Family(
     "tramprof_process_events", "counter", ("kind",),
-    "Process lifecycle events received (fork, exec, exit) and event-stream overruns.")
+    "Process lifecycle events received (fork, exec, exit), and overruns: times the "
+    "kernel dropped events because the daemon read too slowly (state is then re-checked "
+    "against /proc).")
+NEW_PROCESS_EVENTS_LOST = Family(
+    "tramprof_new_process_events_lost", "counter", (),
+    "First-sample notifications lost in the perf buffer; those processes are symbolized "
+    "at the next drain instead, if they still run.")
 DRAINS = Family(
     "tramprof_drains", "counter", (),
     "Times the in-kernel sample buffers were drained.")
@@ -71,7 +77,8 @@ BPF_RUNS = Family(
 
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
-    KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS, DRAINS,
+    KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS,
+    NEW_PROCESS_EVENTS_LOST, DRAINS,
     DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS,
 )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,6 +29,10 @@ def parse_listen(value: str) -> tuple[str, int]:
         raise ValueError(f"listen address must be HOST:PORT, got {value!r}")
     host = host.strip("[]") or "127.0.0.1"
     return host, int(port)
+
+
+class _Server6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
 
 
 class MetricsServer:
@@ -71,8 +76,8 @@ class MetricsServer:
             def log_message(self, format: str, *args: object) -> None:
                 log.debug("http: " + format, *args)
 
-        ThreadingHTTPServer.allow_reuse_address = True
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        server_class = _Server6 if ":" in host else ThreadingHTTPServer
+        self._server = server_class((host, port), Handler)
         self._server.daemon_threads = True
         self.address = self._server.server_address
         self._thread = threading.Thread(target=self._server.serve_forever,

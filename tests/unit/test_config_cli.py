@@ -1,0 +1,70 @@
+"""Configuration file, flags and the CLI's argument handling."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tramprof.cli import _run_config, build_parser, main
+from tramprof.config import Config, ConfigError, from_mapping, load_file
+
+
+def test_defaults_need_no_file():
+    config = Config().validated()
+    assert config.listen == "127.0.0.1:9947"
+    assert config.frequency == 99 and config.frequency % 2 == 1
+    assert config.pids == ()
+
+
+def test_file_and_flags(tmp_path):
+    path = tmp_path / "tramprof.toml"
+    path.write_text('frequency = 49\ninterval = 5\npids = [1, 2]\nlisten = "0.0.0.0:9000"\n')
+    config = load_file(str(path))
+    assert (config.frequency, config.interval, config.pids) == (49, 5.0, (1, 2))
+    args = build_parser().parse_args(["run", "--config", str(path), "--frequency", "199",
+                                      "--pid", "7", "--pid", "8", "9"])
+    merged = _run_config(args)
+    assert merged.frequency == 199 and merged.pids == (7, 8, 9)
+    assert merged.listen == "0.0.0.0:9000" and merged.interval == 5.0
+
+
+@pytest.mark.parametrize(("data", "key"), [
+    ({"frequncy": 99}, "frequncy"),
+    ({"frequency": "99"}, "frequency"),
+    ({"frequency": 0}, "frequency"),
+    ({"frequency": True}, "frequency"),
+    ({"interval": 0.0}, "interval"),
+    ({"pids": [1, "x"]}, "pids"),
+    ({"pids": [-1]}, "pids"),
+    ({"event": "instructions"}, "event"),
+    ({"listen": "nowhere"}, "listen"),
+    ({"max_keys": 1}, "max_keys"),
+])
+def test_bad_settings_name_the_key(data, key):
+    with pytest.raises(ConfigError, match=f"^{key}:"):
+        from_mapping(data)
+
+
+def test_bad_files(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("frequency = [")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_file(str(bad))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_file(str(tmp_path / "missing.toml"))
+    assert main(["run", "--config", str(bad)]) == 2
+    assert "configuration error" in capsys.readouterr().err
+
+
+def test_metrics_command_prints_the_table(capsys):
+    assert main(["metrics"]) == 0
+    assert "`tramprof_samples_total`" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/btf/vmlinux"), reason="kernel has no BTF")
+def test_print_bpf_shows_source_and_offsets(capsys):
+    assert main(["run", "--print-bpf"]) == 0
+    out = capsys.readouterr().out
+    assert "-DTP_OFF_TASK_START_BOOTTIME=" in out
+    assert "int on_sample(struct bpf_perf_event_data *ctx)" in out
