@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from tramprof.cli import _run_config, build_parser, main
 from tramprof.config import Config, ConfigError, from_mapping, load_file
 

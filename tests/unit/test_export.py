@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.registry import CollectorRegistry
-
 from tramprof.bpf_layout import Counter as C
 from tramprof.export import families
 from tramprof.export.collector import ProfilerCollector
