@@ -135,6 +135,14 @@ def _load_hint(log_text: str) -> str:
     return "see the compiler / verifier output above"
 
 
+def _release_compiler_memory() -> None:
+    """Give the heap clang used for compiling back to the system (~60 MB)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim
+
+
 class Sampler:
     """The loaded BPF sampler. Not thread-safe: one owner drains it."""
 
@@ -175,6 +183,7 @@ class Sampler:
         self._open_new_process_events()
         self._attach()
         self._enable_run_time_stats()
+        _release_compiler_memory()
 
     def _open_new_process_events(self) -> None:
         def on_event(cpu: int, data: Any, size: int) -> None:

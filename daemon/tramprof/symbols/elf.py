@@ -199,6 +199,37 @@ def _parse(f: BinaryIO) -> ElfSymbols:
         raise ElfError(f"malformed or truncated ELF: {type(e).__name__}: {e}") from e
 
 
+@dataclass(frozen=True)
+class _Section:
+    """A section header and a way to read its bytes.
+
+    pyelftools' own section objects parse their contents when created (a
+    hash section decodes its whole table), which made creating them the
+    largest cost of loading a library; the headers are all we need.
+    """
+
+    header: Any
+    stream: Any
+
+    @property
+    def name(self) -> str:
+        return str(self.header["sh_name"])
+
+    def data(self) -> bytes:
+        if self.header["sh_type"] == "SHT_NOBITS":
+            return b""
+        self.stream.seek(self.header["sh_offset"])
+        data: bytes = self.stream.read(self.header["sh_size"])
+        return data
+
+
+def _sections(elf: Any) -> list[_Section]:
+    read_header = getattr(elf, "_get_section_header", None)
+    if read_header is None:  # a pyelftools without the private reader
+        return [_Section(sec.header, elf.stream) for sec in elf.iter_sections()]
+    return [_Section(read_header(i), elf.stream) for i in range(elf.num_sections())]
+
+
 def _parse_elf(elf: Any, file_size: int) -> ElfSymbols:
     segments = tuple(
         LoadSegment(
@@ -211,9 +242,9 @@ def _parse_elf(elf: Any, file_size: int) -> ElfSymbols:
         for seg in elf.iter_segments()
         if seg["p_type"] == "PT_LOAD"
     )
-    build_id = _build_id(elf)
+    sections = _sections(elf)
+    build_id = _build_id(elf, sections)
 
-    sections = list(elf.iter_sections())
     section_bounds: list[tuple[int, int] | None] = []
     for sec in sections:
         h = sec.header
@@ -228,7 +259,8 @@ def _parse_elf(elf: Any, file_size: int) -> ElfSymbols:
     for source, wanted in enumerate(("SHT_SYMTAB", "SHT_DYNSYM")):
         for sec in sections:
             if sec.header["sh_type"] == wanted:
-                syms.extend(_read_symtab(elf, sec, file_size, elf64, endian, thumb, source))
+                syms.extend(_read_symtab(sections, sec, file_size, elf64, endian, thumb,
+                                         source))
 
     starts, names = _build_table(syms, section_bounds, segments)
     return ElfSymbols(
@@ -242,17 +274,16 @@ def _parse_elf(elf: Any, file_size: int) -> ElfSymbols:
     )
 
 
-def _section_bytes(sec: Any, file_size: int) -> bytes:
+def _section_bytes(sec: _Section, file_size: int) -> bytes:
     h = sec.header
-    if h["sh_offset"] + h["sh_size"] > file_size:
+    if h["sh_type"] != "SHT_NOBITS" and h["sh_offset"] + h["sh_size"] > file_size:
         raise ElfError(f"truncated ELF: section {sec.name or '?'} extends past end of file")
-    data: bytes = sec.data()
-    return data
+    return sec.data()
 
 
 def _read_symtab(
-    elf: Any,
-    sec: Any,
+    sections: list[_Section],
+    sec: _Section,
     file_size: int,
     elf64: bool,
     endian: str,
@@ -264,7 +295,9 @@ def _read_symtab(
     layout = struct.Struct(endian + ("IBBHQQ" if elf64 else "IIIBBH"))
     if entsize < layout.size or h["sh_size"] == 0:
         return []
-    strtab_sec = elf.get_section(h["sh_link"])
+    if h["sh_link"] >= len(sections):
+        return []
+    strtab_sec = sections[h["sh_link"]]
     if strtab_sec.header["sh_type"] != "SHT_STRTAB":
         return []
     data = _section_bytes(sec, file_size)
@@ -357,12 +390,14 @@ def _container_end(
     return s.value + 1
 
 
-def _build_id(elf: Any) -> str | None:
+def _build_id(elf: Any, sections: list[_Section] | None = None) -> str | None:
     """GNU build-id from note sections, or from PT_NOTE when sections are absent."""
     endian = "<" if elf.little_endian else ">"
     blobs: list[bytes] = []
-    if elf.num_sections():
-        blobs.extend(s.data() for s in elf.iter_sections() if s.header["sh_type"] == "SHT_NOTE")
+    if sections is None:
+        sections = _sections(elf)
+    if sections:
+        blobs.extend(s.data() for s in sections if s.header["sh_type"] == "SHT_NOTE")
     else:
         blobs.extend(s.data() for s in elf.iter_segments() if s["p_type"] == "PT_NOTE")
     for blob in blobs:
