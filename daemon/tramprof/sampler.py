@@ -137,10 +137,8 @@ def _load_hint(log_text: str) -> str:
 
 def _release_compiler_memory() -> None:
     """Give the heap clang used for compiling back to the system (~60 MB)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to trim
 
 
 class Sampler:
