@@ -1,0 +1,295 @@
+"""Live reader for ``/tmp/perf-PID.map`` files.
+
+JIT runtimes (CPython ``-X perf``, Node ``--perf-basic-prof``, JVM agents,
+.NET) append one line per piece of generated code::
+
+    START SIZE NAME
+
+``START`` and ``SIZE`` are hex (either case, optional ``0x`` as JDK 25 writes
+it), separated by spaces or tabs, and ``NAME`` is the rest of the line and may
+contain spaces.  Leading whitespace and CRLF endings are accepted, blank
+lines are skipped silently.  A line is *malformed* (counted, skipped) when a
+field is missing or not hex, a number has more than 16 digits, the size is
+zero, the range runs past 2**64, or the line contains a NUL byte.  Names are
+decoded as UTF-8 with replacement characters.  A line longer than
+``max_line_bytes`` is skipped and counted in ``long_lines`` without ever
+being held in memory whole.
+
+The file is read incrementally (see :mod:`tramprof.symbols.tailreader`): a
+refresh reads only what was appended, and a half-written last line is read
+again, completed, on a later refresh.  Lookups resolve overlapping ranges
+newest-first (see :mod:`tramprof.symbols.addrindex`).
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+from array import array
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import add
+from typing import Any, Final
+
+from tramprof.symbols.addrindex import U64_MAX, AddrIndex
+from tramprof.symbols.safeopen import IO_ERROR, Refusal
+from tramprof.symbols.tailreader import RefreshResult, SourceStats, TailReader
+
+DEFAULT_MAX_FILE_BYTES: Final = 64 << 20
+DEFAULT_MAX_LINE_BYTES: Final = 4096
+DEFAULT_MAX_ENTRIES: Final = 2_000_000
+DEFAULT_CHUNK_BYTES: Final = 1 << 20
+
+_LINE: Final = re.compile(
+    rb"^[ \t]*(?:0[xX])?([0-9a-fA-F]{1,16})[ \t]+(?:0[xX])?([0-9a-fA-F]{1,16})"
+    rb"[ \t]+([^\x00\s][^\x00\r\n]*)\r?$",
+    re.MULTILINE,
+)
+
+
+@dataclass
+class PerfMapStats(SourceStats):
+    """Counters of one perf map reader.
+
+    ``lines_parsed``: lines that became entries.  ``malformed``: non-blank
+    lines rejected.  ``long_lines``: lines over the length cap.
+    ``dropped_entries``: valid lines ignored because ``max_entries`` was
+    reached.  ``entries`` (gauge): entries accepted from the current file.
+    """
+
+    lines_parsed: int = 0
+    malformed: int = 0
+    long_lines: int = 0
+    dropped_entries: int = 0
+    entries: int = 0
+
+
+@dataclass(slots=True)
+class ParsedLines:
+    """Entries from a block of complete lines, in file order."""
+
+    starts: array[int]
+    ends: array[int]
+    names: list[str]
+    malformed: int = 0
+    long_lines: int = 0
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while a block allocates one tuple per line.
+
+    Parsing a big map creates a million short-lived tuples; with the
+    collector on, the collections they trigger (which also walk the rest of
+    the daemon's heap) add about half again to the parse time.  None of
+    these objects can form cycles.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def parse_lines(block: bytes, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> ParsedLines:
+    """Parse ``block``, which must consist of whole ``\\n``-terminated lines."""
+    n_lines = block.count(b"\n")
+    lines: list[bytes] | None = None
+    long_lines = 0
+    if len(block) - n_lines > max_line_bytes:
+        lines = block.split(b"\n")
+        lines.pop()
+        if max(map(len, lines)) > max_line_bytes:
+            short = [len(line) <= max_line_bytes for line in lines]
+            long_lines = short.count(False)
+            lines = list(compress(lines, short))
+            block = b"\n".join(lines) + b"\n" if lines else b""
+    rows: list[tuple[Any, ...]] = _LINE.findall(block)
+    malformed = 0
+    if len(rows) + long_lines != n_lines:
+        if lines is None:
+            lines = block.split(b"\n")
+            lines.pop()
+        blank = list(map(bytes.strip, lines)).count(b"")
+        malformed = len(lines) - blank - len(rows)
+    if not rows:
+        return ParsedLines(array("Q"), array("Q"), [], malformed, long_lines)
+    hex_starts, hex_sizes, raw_names = zip(*rows, strict=True)
+    starts = list(map(int, hex_starts, repeat(16)))
+    sizes = list(map(int, hex_sizes, repeat(16)))
+    ends = list(map(add, starts, sizes))
+    if 0 in sizes or max(ends) > U64_MAX:
+        keep = [size > 0 and end <= U64_MAX for size, end in zip(sizes, ends, strict=True)]
+        malformed += keep.count(False)
+        starts = list(compress(starts, keep))
+        ends = list(compress(ends, keep))
+        raw_names = tuple(compress(raw_names, keep))
+    names = list(map(bytes.decode, raw_names, repeat("utf-8"), repeat("replace")))
+    return ParsedLines(array("Q", starts), array("Q", ends), names, malformed, long_lines)
+
+
+def perf_map_path(pid: int, nstgid_innermost: int, proc_root: str = "/proc") -> str:
+    """Path of a process's perf map inside its own mount namespace.
+
+    Always below ``/proc/PID/root``: a containerised process writes into
+    its own ``/tmp``, and the host's ``/tmp/perf-<nstgid>.map`` (if any)
+    belongs to some other process.
+    """
+    return f"{proc_root}/{_pid(pid)}/root/tmp/perf-{_pid(nstgid_innermost)}.map"
+
+
+def _pid(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"not a pid: {value!r}")
+    return value
+
+
+class PerfMap:
+    """Incremental, hardened reader of one perf map file.
+
+    ``root`` (see :func:`tramprof.symbols.safeopen.open_untrusted`) makes
+    ``path`` resolve below it without following symlinks; prefer
+    :meth:`for_process`, which sets both.  Entries from a file that later
+    becomes unreadable are kept until it is replaced.  A last line without
+    its newline is not used until the newline arrives.  Not thread-safe:
+    lookups build the index lazily, so refresh and look up from one thread.
+
+    Caps: ``max_file_bytes`` (bytes of the file ever read; the rest is
+    ignored and reported in ``bytes_capped``), ``max_line_bytes`` (longer
+    lines are skipped), ``max_entries`` (entries kept from one file).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        expected_uid: int | None,
+        *,
+        root: str | None = None,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if max_line_bytes <= 0 or max_entries < 0:
+            raise ValueError("max_line_bytes must be positive, max_entries >= 0")
+        self.stats = PerfMapStats()
+        self._tail = TailReader(path, expected_uid, max_file_bytes, self.stats, root=root)
+        self._index: AddrIndex[str] = AddrIndex()
+        #: ``lookup(addr) -> str | None``: name of the newest entry covering
+        #: ``addr``.  Bound straight to the index (it is cleared in place,
+        #: never replaced) to save a call on the hot path.
+        self.lookup: Callable[[int], str | None] = self._index.lookup
+        self._max_line_bytes = max_line_bytes
+        self._max_entries = max_entries
+        # A chunk must be able to hold a whole line plus its newline.
+        self._chunk_bytes = max(chunk_bytes, 2 * (max_line_bytes + 1))
+        self._skipping = False
+
+    @classmethod
+    def for_process(
+        cls,
+        pid: int,
+        nstgid_innermost: int,
+        expected_uid: int | None,
+        *,
+        proc_root: str = "/proc",
+        **caps: int,
+    ) -> PerfMap:
+        """Reader for ``perf_map_path(pid, nstgid_innermost, proc_root)``."""
+        return cls(
+            f"tmp/perf-{_pid(nstgid_innermost)}.map",
+            expected_uid,
+            root=f"{proc_root}/{_pid(pid)}/root",
+            **caps,
+        )
+
+    @property
+    def path(self) -> str:
+        """The file this reader follows."""
+        return self._tail.full_path
+
+    def refresh(self, max_bytes: int | None = None) -> RefreshResult:
+        """Read what was appended since the last refresh (or reload).
+
+        ``max_bytes`` bounds the bytes read by this call (at least one chunk
+        is read); the rest is picked up by later refreshes.
+        """
+        session = self._tail.open()
+        if isinstance(session, Refusal):
+            return RefreshResult(refused=session.reason)
+        added = 0
+        with session:
+            if session.reset:
+                self._index.clear()
+                self._skipping = False
+            try:
+                for chunk in session.chunks(self._chunk_bytes, max_bytes):
+                    used, n = self._consume(chunk)
+                    added += n
+                    session.commit(chunk, used)
+            except OSError as err:
+                refusal = self._tail.refuse(Refusal(IO_ERROR, f"read: {err}"))
+                return RefreshResult(refused=refusal.reason, new_entries=added)
+            remaining = session.remaining
+        self.stats.entries = self._index.added
+        return RefreshResult(
+            reloaded=session.reloaded,
+            bytes_read=session.read_bytes,
+            new_entries=added,
+            capped=session.capped,
+            remaining=remaining,
+        )
+
+    def _consume(self, data: bytes) -> tuple[int, int]:
+        """Parse the complete lines of ``data``; return (bytes used, entries)."""
+        begin = 0
+        if self._skipping:
+            newline = data.find(b"\n")
+            if newline < 0:
+                return len(data), 0
+            self._skipping = False
+            begin = newline + 1
+        last = data.rfind(b"\n", begin)
+        end = last + 1 if last >= 0 else begin
+        added = self._add_block(data[begin:end]) if end > begin else 0
+        if len(data) - end > self._max_line_bytes:
+            # The unfinished line is already too long: skip to its newline.
+            self.stats.long_lines += 1
+            self._skipping = True
+            return len(data), added
+        return end, added
+
+    def _add_block(self, block: bytes) -> int:
+        with _gc_paused():
+            parsed = parse_lines(block, self._max_line_bytes)
+        stats = self.stats
+        stats.malformed += parsed.malformed
+        stats.long_lines += parsed.long_lines
+        n = len(parsed.names)
+        room = self._max_entries - self._index.added
+        if n > room:
+            keep = max(room, 0)
+            stats.dropped_entries += n - keep
+            n = keep
+            parsed.starts = parsed.starts[:n]
+            parsed.ends = parsed.ends[:n]
+            del parsed.names[n:]
+        if n:
+            self._index.extend(parsed.starts, parsed.ends, parsed.names)
+            stats.lines_parsed += n
+        return n
+
+    def lookup_range(self, addr: int) -> tuple[int, int, str] | None:
+        """(start, end, name) of the visible part of the entry covering ``addr``."""
+        return self._index.lookup_range(addr)
+
+    def symbols(self) -> list[tuple[int, int, str]]:
+        """Every visible range in address order."""
+        return self._index.items()
+
+    def __len__(self) -> int:
+        return len(self._index)

@@ -1,0 +1,237 @@
+"""Open files that an unprivileged process controls, without trusting them.
+
+Runtimes write ``/tmp/perf-PID.map`` and ``/tmp/jit-PID.dump``; anyone who can
+write to ``/tmp`` can also put a symlink, a FIFO, a device node or someone
+else's file there.  The profiler runs as root, so every open must make sure
+it reads a plain file owned by the process it is profiling, never blocks, and
+never reads more than a fixed cap.
+
+Refusal reasons are exported as metric label values, so the set is fixed:
+
+``missing``        the file (or a directory on the way) does not exist, or the
+                   process is gone
+``symlink``        the final component, or any component below ``root``, is a
+                   symbolic link
+``not_regular``    FIFO, socket, device, directory, ...
+``hardlink``       a regular file with more than one link (somebody linked a
+                   file they do not control into /tmp)
+``foreign_owner``  owned neither by the expected uid nor by root
+``permission``     EACCES/EPERM from the kernel
+``io_error``       any other OS error (EMFILE, EIO, ENAMETOOLONG, ...)
+
+A file larger than the cap is not refused: callers read only its first
+``max_bytes`` bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+from typing import Final
+
+MISSING: Final = "missing"
+SYMLINK: Final = "symlink"
+NOT_REGULAR: Final = "not_regular"
+HARDLINK: Final = "hardlink"
+FOREIGN_OWNER: Final = "foreign_owner"
+PERMISSION: Final = "permission"
+IO_ERROR: Final = "io_error"
+
+#: Every reason :func:`open_untrusted` can return, in a stable order.
+REFUSAL_REASONS: Final[tuple[str, ...]] = (
+    MISSING,
+    SYMLINK,
+    NOT_REGULAR,
+    HARDLINK,
+    FOREIGN_OWNER,
+    PERMISSION,
+    IO_ERROR,
+)
+
+# O_NONBLOCK: opening a FIFO without a writer returns at once instead of
+# hanging.  O_NOCTTY: a tty planted in /tmp never becomes our terminal.
+_FILE_FLAGS: Final = (
+    os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+)
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True, slots=True)
+class FileIdentity:
+    """What a reader remembers to notice that a path now names another file."""
+
+    dev: int
+    ino: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a file was not opened; ``reason`` is one of :data:`REFUSAL_REASONS`."""
+
+    reason: str
+    detail: str = ""
+
+
+class SafeFile:
+    """An open, verified regular file; reads never go past ``limit``.
+
+    ``limit`` is ``min(size at open, max_bytes)``: bytes appended after the
+    ``fstat`` are left for the next open, so every read sees one consistent
+    snapshot length.
+    """
+
+    __slots__ = ("_fd", "capped_bytes", "identity", "limit")
+
+    def __init__(self, fd: int, identity: FileIdentity, max_bytes: int) -> None:
+        self._fd = fd
+        self.identity = identity
+        self.limit = min(identity.size, max(0, max_bytes))
+        #: Bytes of the file beyond the cap, which are never read.
+        self.capped_bytes = identity.size - self.limit
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        """Read up to ``length`` bytes at ``offset``, clipped to ``limit``."""
+        end = min(self.limit, offset + length)
+        if offset < 0 or end <= offset:
+            return b""
+        want = end - offset
+        first = os.pread(self._fd, want, offset)
+        if len(first) == want or not first:
+            return first
+        # Short read on a regular file: only at EOF (file shrank) or on a
+        # signal; collect what is there without looping forever.
+        parts = [first]
+        got = len(first)
+        while got < want:
+            more = os.pread(self._fd, want - got, offset + got)
+            if not more:
+                break
+            parts.append(more)
+            got += len(more)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        """Close the descriptor; safe to call twice."""
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> SafeFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _refusal_for(err: OSError, what: str) -> Refusal:
+    code = err.errno
+    if code == errno.ELOOP:
+        reason = SYMLINK
+    elif code in (errno.ENOENT, errno.ESRCH):
+        reason = MISSING
+    elif code in (errno.ENOTDIR, errno.ENXIO, errno.ENODEV):
+        # ENOTDIR: a component is not a directory; ENXIO: a socket or a
+        # device without a driver.
+        reason = NOT_REGULAR
+    elif code in (errno.EACCES, errno.EPERM):
+        reason = PERMISSION
+    else:
+        reason = IO_ERROR
+    return Refusal(reason, f"{what}: {os.strerror(code) if code else err}")
+
+
+def _refusal_for_component(err: OSError, part: str, dir_fd: int) -> Refusal:
+    # O_DIRECTORY|O_NOFOLLOW on a symlink fails with ENOTDIR, not ELOOP.
+    if err.errno == errno.ENOTDIR:
+        try:
+            if stat.S_ISLNK(os.stat(part, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                return Refusal(SYMLINK, f"directory {part!r} is a symbolic link")
+        except OSError:
+            pass
+    return _refusal_for(err, f"directory {part!r}")
+
+
+def _check_stat(st: os.stat_result, expected_uid: int | None) -> Refusal | None:
+    if stat.S_ISLNK(st.st_mode):
+        return Refusal(SYMLINK, "symbolic link")
+    if not stat.S_ISREG(st.st_mode):
+        return Refusal(NOT_REGULAR, f"file type {stat.S_IFMT(st.st_mode):o}")
+    if st.st_nlink > 1:
+        return Refusal(HARDLINK, f"{st.st_nlink} links")
+    if expected_uid is not None and st.st_uid not in (expected_uid, 0):
+        return Refusal(FOREIGN_OWNER, f"uid {st.st_uid}, expected {expected_uid}")
+    return None
+
+
+def _split_relative(path: str) -> list[str]:
+    parts = [p for p in path.split("/") if p and p != "."]
+    if not parts or ".." in parts:
+        raise ValueError(f"path under root must be relative and without '..': {path!r}")
+    return parts
+
+
+def open_untrusted(
+    path: str,
+    expected_uid: int | None,
+    max_bytes: int,
+    *,
+    root: str | None = None,
+) -> SafeFile | Refusal:
+    """Open ``path`` for reading only if it is a plain file we may trust.
+
+    Without ``root`` only the last component is protected against symlinks
+    (``O_NOFOLLOW``).  With ``root`` (for example ``/proc/PID/root``), the
+    root itself is followed -- it is the kernel's link to the process's mount
+    namespace -- and ``path`` is resolved below it one component at a time
+    with ``O_NOFOLLOW``, so a container cannot point ``/tmp`` at a host
+    directory through an absolute symlink.
+
+    A ``stat`` before the open keeps devices and FIFOs from being opened at
+    all (opening some devices has side effects); the ``fstat`` of the open
+    descriptor is the check that counts.
+    """
+    dir_fd: int | None = None
+    try:
+        if root is not None:
+            parts = _split_relative(path)
+            try:
+                dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as err:
+                return _refusal_for(err, "root")
+            for part in parts[:-1]:
+                try:
+                    next_fd = os.open(part, _DIR_FLAGS, dir_fd=dir_fd)
+                except OSError as err:
+                    return _refusal_for_component(err, part, dir_fd)
+                os.close(dir_fd)
+                dir_fd = next_fd
+            name = parts[-1]
+        else:
+            name = path
+        try:
+            pre = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError as err:
+            return _refusal_for(err, "lstat")
+        refused = _check_stat(pre, expected_uid)
+        if refused is not None:
+            return refused
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+        except OSError as err:
+            return _refusal_for(err, "open")
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
+    try:
+        st = os.fstat(fd)
+    except OSError as err:
+        os.close(fd)
+        return _refusal_for(err, "fstat")
+    refused = _check_stat(st, expected_uid)
+    if refused is not None:
+        os.close(fd)
+        return refused
+    return SafeFile(fd, FileIdentity(st.st_dev, st.st_ino, st.st_size), max_bytes)

@@ -1,0 +1,264 @@
+"""Incremental, capped reading of an append-only file that others control.
+
+Runtimes only ever append to their perf map / jitdump, so a reader that
+remembers the file's identity (device, inode) and how far it got can read
+just the new bytes on every refresh.  It starts over when the path names a
+different file, when the file shrank, or when the bytes just before the
+remembered offset changed (the file was truncated and rewritten past our
+offset between two refreshes, or a deleted file's inode number was reused).
+
+The consumer decides how much of each chunk it used (a half-written line or
+record stays unconsumed and is read again, completed, next time), so a
+pending tail costs no memory between refreshes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from typing import Final
+
+from tramprof.symbols.safeopen import (
+    IO_ERROR,
+    REFUSAL_REASONS,
+    FileIdentity,
+    Refusal,
+    SafeFile,
+    open_untrusted,
+)
+
+#: Bytes before the resume offset compared on every refresh to detect rewrites.
+ANCHOR_BYTES: Final = 32
+
+
+@dataclass
+class SourceStats:
+    """Counters every untrusted-file reader keeps (exported as metrics).
+
+    ``bytes_read`` counts file content handed to the parser (a half-written
+    tail that is read again counts again; the small rewrite check before the
+    resume offset is not counted).  ``bytes_capped`` (bytes of the current
+    file beyond the cap, never read) is a gauge, like the readers'
+    ``entries``; everything else only grows.
+    """
+
+    bytes_read: int = 0
+    bytes_capped: int = 0
+    reloads: int = 0
+    refused: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0)
+    )
+
+    def as_dict(self) -> dict[str, int]:
+        """Flatten to ``name -> value``; refusals become ``refused_<reason>``."""
+        out: dict[str, int] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int):
+                out[f.name] = value
+        for reason, count in self.refused.items():
+            out[f"refused_{reason}"] = count
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class RefreshResult:
+    """What one ``refresh()`` did.
+
+    ``refused`` is the refusal reason when the file could not be opened safely
+    (previously loaded entries are kept).  ``reloaded`` means earlier entries
+    were dropped because the path now names a new, shrunk or rewritten file.
+    ``capped`` means the file is larger than the reader's byte cap.
+    ``remaining`` is how many readable bytes are not consumed yet: a
+    half-written last line or record, or what a read budget left for later.
+    """
+
+    refused: str | None = None
+    reloaded: bool = False
+    bytes_read: int = 0
+    new_entries: int = 0
+    capped: bool = False
+    remaining: int = 0
+
+
+class TailReader:
+    """Remembers (dev, inode, offset) of one path and hands out new bytes.
+
+    Use::
+
+        session = reader.open()          # Refusal | TailSession
+        with session:
+            if session.reset:
+                drop_everything()
+            for chunk in session.chunks(1 << 20):
+                used = parse(chunk)      # bytes of whole lines / records
+                session.commit(chunk, used)
+    """
+
+    def __init__(
+        self,
+        path: str,
+        expected_uid: int | None,
+        max_bytes: int,
+        stats: SourceStats,
+        *,
+        root: str | None = None,
+    ) -> None:
+        if max_bytes <= 0:
+            raise ValueError("max_bytes must be positive")
+        self.path = path
+        self.root = root
+        self.expected_uid = expected_uid
+        self.max_bytes = max_bytes
+        self.stats = stats
+        self.identity: FileIdentity | None = None
+        #: Bytes of the current file consumed by the parser.
+        self.offset = 0
+        #: File length (capped) at the last refresh that read anything.
+        self.seen_limit = 0
+        self._anchor = b""
+
+    def open(self) -> TailSession | Refusal:
+        """Open the path safely and work out where reading resumes."""
+        opened = open_untrusted(self.path, self.expected_uid, self.max_bytes, root=self.root)
+        if isinstance(opened, Refusal):
+            return self.refuse(opened)
+        try:
+            reset = self._must_restart(opened)
+        except OSError as err:
+            opened.close()
+            return self.refuse(Refusal(IO_ERROR, f"read: {err}"))
+        reloaded = reset and self.identity is not None
+        if reset:
+            if reloaded:
+                self.stats.reloads += 1
+            self.offset = 0
+            self.seen_limit = 0
+            self._anchor = b""
+        self.identity = opened.identity
+        self.stats.bytes_capped = opened.capped_bytes
+        return TailSession(self, opened, reset, reloaded)
+
+    @property
+    def full_path(self) -> str:
+        """The path as opened (``root``/``path`` when resolved below a root)."""
+        return f"{self.root}/{self.path}" if self.root is not None else self.path
+
+    def refuse(self, refusal: Refusal) -> Refusal:
+        """Count ``refusal`` and return it."""
+        refused = self.stats.refused
+        refused[refusal.reason] = refused.get(refusal.reason, 0) + 1
+        return refusal
+
+    def _must_restart(self, f: SafeFile) -> bool:
+        old = self.identity
+        new = f.identity
+        if old is None or (old.dev, old.ino) != (new.dev, new.ino):
+            return True
+        if new.size < self.offset:
+            return True
+        if self._anchor:
+            start = self.offset - len(self._anchor)
+            if f.read_at(start, len(self._anchor)) != self._anchor:
+                return True
+        return False
+
+    def _advance(self, chunk: bytes | memoryview, used: int) -> None:
+        if used <= 0:
+            return
+        self.offset += used
+        tail = bytes(chunk[max(0, used - ANCHOR_BYTES) : used])
+        if len(tail) < ANCHOR_BYTES:
+            tail = (self._anchor + tail)[-ANCHOR_BYTES:]
+        self._anchor = tail
+
+
+class TailSession:
+    """One refresh's view of the file: new bytes from the resume offset."""
+
+    def __init__(self, reader: TailReader, f: SafeFile, reset: bool, reloaded: bool) -> None:
+        self._reader = reader
+        self._file = f
+        #: True when the consumer must drop everything parsed earlier.
+        self.reset = reset
+        #: ``reset`` for a file that replaced one read before (not a first load).
+        self.reloaded = reloaded
+        self.read_bytes = 0
+        #: Minimum length the consumer needs for its next chunk.
+        self.want = 0
+        self._drained = False
+
+    @property
+    def limit(self) -> int:
+        """Readable length of the file (size capped at ``max_bytes``)."""
+        return self._file.limit
+
+    @property
+    def capped(self) -> bool:
+        return self._file.capped_bytes > 0
+
+    @property
+    def unchanged(self) -> bool:
+        """Nothing was appended since the last refresh that read anything."""
+        return not self.reset and self._file.limit == self._reader.seen_limit
+
+    def read(self, length: int) -> bytes:
+        """Read up to ``length`` bytes from the resume offset."""
+        data = self._file.read_at(self._reader.offset, length)
+        self.read_bytes += len(data)
+        self._reader.stats.bytes_read += len(data)
+        return data
+
+    @property
+    def remaining(self) -> int:
+        """Readable bytes not consumed yet (includes a half-written tail)."""
+        return max(0, self._file.limit - self._reader.offset)
+
+    def chunks(self, chunk_bytes: int, budget: int | None = None) -> Iterator[bytes]:
+        """Yield successive chunks from the resume offset to the readable end.
+
+        After each chunk the consumer calls :meth:`commit`; the next chunk
+        starts at the new offset, so an unconsumed tail is read again together
+        with what follows it.  A consumer that needs a longer contiguous read
+        (a record bigger than ``chunk_bytes``) sets :attr:`want` before
+        committing nothing.  Iteration stops once every readable byte was
+        offered (an unused tail is incomplete and waits for the next refresh),
+        when a chunk makes no progress and a longer read would not help, or
+        once ``budget`` bytes were read (the rest is left for later).
+        """
+        if self.unchanged:
+            return
+        reader = self._reader
+        limit = self._file.limit
+        self.want = 0
+        while reader.offset < limit:
+            if budget is not None and self.read_bytes >= budget:
+                return
+            before = reader.offset
+            data = self.read(max(chunk_bytes, self.want))
+            if not data:
+                break
+            self.want = 0
+            yield data
+            if before + len(data) >= limit:
+                break  # all readable bytes were offered; an unused tail is incomplete
+            if reader.offset == before and self.want <= len(data):
+                break  # stalled, and a longer read would not help
+        self._drained = True
+
+    def commit(self, chunk: bytes | memoryview, used: int) -> None:
+        """Mark the first ``used`` bytes of ``chunk`` (the last read) consumed."""
+        self._reader._advance(chunk, used)
+
+    def close(self) -> None:
+        """Close the file; if all of it was seen, remember its length so an
+        unchanged file is not read again."""
+        if self._drained:
+            self._reader.seen_limit = self._file.limit
+        self._file.close()
+
+    def __enter__(self) -> TailSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
