@@ -3,7 +3,9 @@ symbolize, count. Owns the sampler, kernel symbols and per-process state."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import select
 import time
 from collections import Counter
 
@@ -41,6 +43,14 @@ class Profiler:
         if fd is not None:
             fds.append(fd)
         return fds
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until ``timeout`` passes or a process event arrives, then handle
+        events: a process sampled for the first time must be looked at while it
+        still runs, which may be only milliseconds."""
+        with contextlib.suppress(InterruptedError):
+            select.select(self.event_fds(), [], [], max(0.0, timeout))
+        self.poll_process_events()
 
     def poll_process_events(self) -> None:
         """Warm newly sampled processes, queue lifecycle events (applied after

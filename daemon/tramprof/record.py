@@ -38,8 +38,7 @@ def record(config: Config, duration: float, fmt: str, output: str | None) -> int
             now = time.monotonic()
             if now >= deadline:
                 break
-            time.sleep(min(0.2, deadline - now, max(0.0, next_drain - now)))
-            profiler.poll_process_events()
+            profiler.wait(min(0.5, deadline - now, next_drain - now))
             if time.monotonic() >= next_drain:
                 folded.update(aggregate_folded(profiler.collect()))
                 next_drain = time.monotonic() + config.interval

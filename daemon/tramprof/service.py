@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import select
 import signal
 import time
 from types import FrameType
@@ -55,11 +53,7 @@ class Daemon:
         next_drain = time.monotonic() + self.config.interval
         try:
             while not self._stop:
-                timeout = max(0.0, next_drain - time.monotonic())
-                fds = self.profiler.event_fds()
-                with contextlib.suppress(InterruptedError):
-                    select.select(fds, [], [], min(timeout, 1.0))
-                self.profiler.poll_process_events()
+                self.profiler.wait(min(next_drain - time.monotonic(), 1.0))
                 if time.monotonic() >= next_drain:
                     try:
                         self.drain()

@@ -49,6 +49,7 @@ def test_pid_filter_changes_without_reload(targets, start_target):
     second = start_target(str(targets / "chain"), "20")
     with Sampler(SamplerConfig(frequency=499)) as sampler:
         sampler.set_targets([first.pid])
+        sampler.drain()  # holds samples of every process from before the filter
         time.sleep(1)
         before = _samples_by_pid(sampler.drain())
         sampler.set_targets([second.pid])
