@@ -495,6 +495,7 @@ def node_process(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     script.write_text(SPIN_JS)
     proc = subprocess.Popen(
         [node, "--perf-basic-prof", str(script)],
+        cwd=tmp_path,  # node may write isolate-*.log files into its working directory
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
