@@ -37,13 +37,21 @@ class Target:
     """A running target program, killed when the test ends."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        if line.strip() != "ready":
+        if not line.startswith("ready"):
             self.stop()
             raise RuntimeError(f"target {argv} did not start: {line!r}")
+        #: What the target printed after "ready" (e.g. an address).
+        self.ready_info = line.split()[1:]
+
+    def go(self) -> None:
+        """Release a target that waits for a line on stdin."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
 
     @property
     def pid(self) -> int:

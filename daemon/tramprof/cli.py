@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="check the host (and a process) for profiling")
     doctor.add_argument("--pid", "-p", type=int, help="also explain this process")
+    doctor.add_argument("--sample-seconds", type=float, default=2.0, metavar="S",
+                        help="with --pid: sample it this long to measure how many JIT "
+                        "frames get names (0: skip; needs root)")
 
     sub.add_parser("metrics", help="print the table of exported metric families (Markdown)")
     return parser
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "doctor":
             from tramprof import doctor
 
-            checks, ok = doctor.run(args.pid)
+            checks, ok = doctor.run(args.pid, sample_seconds=args.sample_seconds)
             for check in checks:
                 print(check.render())
             return 0 if ok else 1

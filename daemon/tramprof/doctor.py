@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -169,12 +170,85 @@ def check_process(pid: int, proc_root: str = "/proc") -> list[Check]:
     checks.append(Check("unwinding mode", True,
                         "fp: frame-pointer walk (frames of code built without frame "
                         "pointers are skipped)"))
+    checks.extend(check_jit_files(pid, proc_root, expect=bool(anon)))
     return checks
 
 
-def run(pid: int | None = None, proc_root: str = "/proc") -> tuple[list[Check], bool]:
+_REFUSAL_FIX = {
+    "missing": "the runtime writes no perf map: CPython 3.12+ `-X perf`, node "
+               "`--perf-basic-prof`, JVM perf-map-agent, .NET DOTNET_PerfMapEnabled=1",
+    "stale": "the file is older than the process (left by an earlier process with this "
+             "pid); it is used once the process writes to it",
+    "foreign_owner": "the file is not owned by the process's user or root: something else "
+                     "planted it; it is ignored",
+    "symlink": "the path is a symlink; perf maps are opened without following links",
+    "permission": "the daemon may not read it: grant CAP_DAC_READ_SEARCH or run as root",
+}
+
+
+def check_jit_files(pid: int, proc_root: str, expect: bool) -> list[Check]:
+    """Where the perf map / jitdump were looked for and whether they are used."""
+    from tramprof.procinfo import read_start_ticks
+    from tramprof.symbols.jit import JitSymbols
+
+    try:
+        ticks = read_start_ticks(pid, proc_root)
+        jit = JitSymbols(pid, ticks * (1_000_000_000 // os.sysconf("SC_CLK_TCK")),
+                         proc_root=proc_root)
+        sources = jit.report()
+    except Exception as exc:
+        return [Check("JIT symbols", False, f"cannot look for perf maps: {exc}")]
+    checks = []
+    any_used = any(source.used for source in sources)
+    for name, source in zip(("perf map", "jitdump"), sources, strict=True):
+        if source.used:
+            checks.append(Check(name, True, f"{source.path}: used, {source.entries} symbols"))
+        elif source.refused is None:
+            checks.append(Check(name, True, f"{source.path}: present, no symbols yet"))
+        else:
+            # A missing file is fine when the other one names the code, or
+            # when the process has no anonymous code to name.
+            fine = source.refused == "missing" and (any_used or not expect)
+            checks.append(Check(name, fine, f"{source.path}: not used ({source.refused})",
+                                _REFUSAL_FIX.get(source.refused, ""), warning=True))
+    return checks
+
+
+def check_sampled_resolution(pid: int, seconds: float) -> Check:
+    """Samples the process briefly and reports how many JIT frames got names."""
+    from tramprof.config import Config
+    from tramprof.profiler import Profiler
+
+    profiler = Profiler(Config(pids=(pid,), frequency=199))
+    try:
+        profiler.start()
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            profiler.wait(left)
+        stacks = profiler.collect()
+        jit = profiler.registry.jit_for(pid)
+    except Exception as exc:
+        return Check("sampled frames", False, f"cannot sample pid {pid}: {exc}", warning=True)
+    finally:
+        profiler.close()
+    samples = sum(s.count for s in stacks)
+    if jit is None or jit.lookups == 0:
+        return Check("sampled frames", True,
+                     f"{samples} samples in {seconds:.0f} s; none in anonymous executable memory")
+    share = jit.resolved / jit.lookups
+    return Check("sampled frames", share >= 0.9,
+                 f"{samples} samples; {share:.0%} of frames in anonymous executable memory "
+                 "named from the perf map / jitdump",
+                 "unnamed JIT frames: the runtime has not written names for that code "
+                 "(see the perf map lines above)", warning=True)
+
+
+def run(pid: int | None = None, proc_root: str = "/proc",
+        sample_seconds: float = 0.0) -> tuple[list[Check], bool]:
     checks = [check() for check in HOST_CHECKS]
     if pid is not None:
         checks.extend(check_process(pid, proc_root))
+        if sample_seconds > 0 and os.geteuid() == 0:
+            checks.append(check_sampled_resolution(pid, sample_seconds))
     ok = all(c.ok or c.warning for c in checks)
     return checks, ok

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tramprof.processes import ProcessEvent, ProcessTable
 from tramprof.procinfo import ProcessIdentity, boottime_ns_to_ticks, read_comm
 from tramprof.symbols.elf import ElfCache
 from tramprof.symbols.errors import ProcessGone, SymbolizationError
+from tramprof.symbols.jit import JitLimits, JitSymbols
 from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
 
 log = logging.getLogger(__name__)
@@ -33,19 +33,49 @@ MAX_IMAGES = 2
 
 @dataclass
 class ProcessImage:
-    """One executable image of a process: its symbolizer and an address cache."""
+    """One executable image of a process: its symbolizers and an address cache.
+
+    Only names from files are cached: JIT code is re-created at reused
+    addresses, so anonymous memory is looked up afresh every time.
+    """
 
     symbolizer: ProcessSymbolizer | None
+    jit: JitSymbols | None = None
     names: dict[int, str] = field(default_factory=dict)
 
     def resolve(self, addr: int) -> str:
         name = self.names.get(addr)
-        if name is None:
-            name = self.symbolizer.resolve(addr) if self.symbolizer else "[unknown]"
+        if name is not None:
+            return name
+        if self.symbolizer is None:
+            return "[unknown]"
+        name = self.symbolizer.resolve(addr)
+        mapping = self.symbolizer.mapping_for(addr)
+        if mapping is not None and not mapping.is_anonymous:
             if len(self.names) >= MAX_CACHED_ADDRESSES:
                 self.names.clear()
             self.names[addr] = name
         return name
+
+
+@dataclass
+class JitTotals:
+    """Perf map / jitdump counters summed over processes, monotonic across exits."""
+
+    counters: Counter[tuple[str, str]] = field(default_factory=Counter)  # (kind, counter)
+    entries: Counter[str] = field(default_factory=Counter)  # live entries by kind
+    files: Counter[str] = field(default_factory=Counter)  # files in use by kind
+
+    def add_image(self, image: ProcessImage, live: bool) -> None:
+        if image.jit is None:
+            return
+        for kind, reader in (("perf_map", image.jit.perf_map), ("jitdump", image.jit.jitdump)):
+            for name, value in reader.stats.as_dict().items():
+                if name not in ("entries", "bytes_capped"):  # gauges
+                    self.counters[(kind, name)] += value
+            if live and len(reader):
+                self.entries[kind] += len(reader)
+                self.files[kind] += 1
 
 
 @dataclass
@@ -59,15 +89,16 @@ class ProcessRegistry:
 
     def __init__(self, proc_root: str = "/proc", elf_cache: ElfCache | None = None,
                  failures: Counter[str] | None = None,
-                 anon_resolver_factory: Callable[[int], Callable[..., str | None] | None]
-                 | None = None) -> None:
+                 jit_limits: JitLimits | None = None) -> None:
         self.proc_root = proc_root
         self.elf_cache = elf_cache or ElfCache()
         self.failures: Counter[str] = failures if failures is not None else Counter()
         self.symbolization_stats = SymbolizationStats()
-        self._anon_factory = anon_resolver_factory
-        self._table: ProcessTable[ProcessState] = ProcessTable(proc_root)
+        self.jit_limits = jit_limits or JitLimits()
+        self._table: ProcessTable[ProcessState] = ProcessTable(proc_root,
+                                                               on_drop=self._retire)
         self._pending: list[ProcessEvent] = []
+        self._retired = JitTotals()
 
     def __len__(self) -> int:
         return len(self._table)
@@ -105,10 +136,10 @@ class ProcessRegistry:
                 self.failures["image_replaced_by_exec"] += 1
                 image = ProcessImage(symbolizer=None)
             else:
-                image = ProcessImage(symbolizer=self._symbolizer(identity.pid))
+                image = self._image(identity.pid, start_boottime_ns)
             state.images[exec_id] = image
             while len(state.images) > MAX_IMAGES:
-                del state.images[min(state.images)]
+                self._retired.add_image(state.images.pop(min(state.images)), live=False)
         return state.name, image
 
     def warm(self, tgid: int, start_boottime_ns: int, exec_id: int) -> None:
@@ -120,22 +151,52 @@ class ProcessRegistry:
         except ProcessGone:
             return
         if exec_id not in state.images:
-            symbolizer = self._symbolizer(identity.pid)
-            if symbolizer is not None:
-                symbolizer.preload()
-            state.images[exec_id] = ProcessImage(symbolizer=symbolizer)
+            image = self._image(identity.pid, start_boottime_ns)
+            if image.symbolizer is not None:
+                image.symbolizer.preload()
+            state.images[exec_id] = image
             while len(state.images) > MAX_IMAGES:
-                del state.images[min(state.images)]
+                self._retired.add_image(state.images.pop(min(state.images)), live=False)
 
-    def _symbolizer(self, pid: int) -> ProcessSymbolizer | None:
-        anon = self._anon_factory(pid) if self._anon_factory else None
+    def _image(self, pid: int, start_boottime_ns: int) -> ProcessImage:
         try:
-            return ProcessSymbolizer(pid, self.elf_cache, self.symbolization_stats,
-                                     proc_root=self.proc_root, anon_resolver=anon)
+            jit: JitSymbols | None = JitSymbols(pid, start_boottime_ns,
+                                                proc_root=self.proc_root,
+                                                limits=self.jit_limits)
+        except (OSError, ValueError, IndexError, SymbolizationError) as exc:
+            log.debug("no perf map / jitdump lookup for pid %d: %s", pid, exc)
+            jit = None
+        try:
+            symbolizer: ProcessSymbolizer | None = ProcessSymbolizer(
+                pid, self.elf_cache, self.symbolization_stats, proc_root=self.proc_root,
+                anon_resolver=jit.resolve if jit else None)
         except SymbolizationError as exc:
             self.failures["process_gone"] += 1
             log.debug("no symbolizer for pid %d: %s", pid, exc)
-            return None
+            symbolizer = None
+        return ProcessImage(symbolizer=symbolizer, jit=jit)
+
+    def _retire(self, identity: ProcessIdentity, state: ProcessState) -> None:
+        for image in state.images.values():
+            self._retired.add_image(image, live=False)
+
+    def jit_totals(self) -> JitTotals:
+        """Counters of every perf map / jitdump read so far, gauges of live ones."""
+        totals = JitTotals(counters=Counter(self._retired.counters))
+        for identity in self._table.identities():
+            state = self._table.get(identity.pid, identity.start_ticks)
+            for image in state.images.values() if state else ():
+                totals.add_image(image, live=True)
+        return totals
+
+    def jit_for(self, pid: int) -> JitSymbols | None:
+        """The newest image's perf map / jitdump reader of ``pid``, if held."""
+        for identity in self._table.identities():
+            if identity.pid == pid:
+                state = self._table.get(identity.pid, identity.start_ticks)
+                if state and state.images:
+                    return state.images[max(state.images)].jit
+        return None
 
     def defer(self, events: list[ProcessEvent]) -> None:
         """Queue lifecycle events; they take effect after the next drain."""

@@ -97,6 +97,9 @@ class Profiler:
         self.stats.processes = len(self.registry)
         self.stats.drains += 1
         self.stats.last_drain_seconds = time.monotonic() - began
+        jit = self.registry.jit_totals()
+        self.stats.jit_counters, self.stats.jit_entries, self.stats.jit_files = \
+            jit.counters, jit.entries, jit.files
         for reason, count in self.registry.symbolization_stats.snapshot().items():
             self.stats.symbolization_failures[reason] = count
         return stacks

@@ -20,6 +20,9 @@ class ProfilerStats:
     last_drain_seconds: float = 0.0
     bpf_run_time_ns: int | None = None
     bpf_run_count: int | None = None
+    jit_counters: Counter[tuple[str, str]] = field(default_factory=Counter)
+    jit_entries: Counter[str] = field(default_factory=Counter)
+    jit_files: Counter[str] = field(default_factory=Counter)
 
     def copy(self) -> ProfilerStats:
         return ProfilerStats(
@@ -33,4 +36,7 @@ class ProfilerStats:
             last_drain_seconds=self.last_drain_seconds,
             bpf_run_time_ns=self.bpf_run_time_ns,
             bpf_run_count=self.bpf_run_count,
+            jit_counters=Counter(self.jit_counters),
+            jit_entries=Counter(self.jit_entries),
+            jit_files=Counter(self.jit_files),
         )

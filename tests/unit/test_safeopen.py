@@ -49,6 +49,7 @@ def test_reason_names_are_stable() -> None:
         "foreign_owner",
         "permission",
         "io_error",
+        "stale",
     )
 
 

@@ -93,6 +93,8 @@ class ProfilerCollector(Collector):
         drain_seconds.add_metric([], stats.last_drain_seconds)
         yield drain_seconds
 
+        yield from _jit_families(stats)
+
         if stats.bpf_run_time_ns is not None and stats.bpf_run_count is not None:
             run_seconds = _family(fam.BPF_RUN_SECONDS)
             run_seconds.add_metric([], stats.bpf_run_time_ns / 1e9)
@@ -100,3 +102,34 @@ class ProfilerCollector(Collector):
             runs = _family(fam.BPF_RUNS)
             runs.add_metric([], stats.bpf_run_count)
             yield runs
+
+
+JIT_KINDS = ("perf_map", "jitdump")
+
+
+def _jit_families(stats: ProfilerStats) -> Iterator[Metric]:
+    files, entries = _family(fam.JIT_FILES), _family(fam.JIT_ENTRIES)
+    for kind in JIT_KINDS:
+        files.add_metric([kind], stats.jit_files[kind])
+        entries.add_metric([kind], stats.jit_entries[kind])
+    yield files
+    yield entries
+    refused, dropped = _family(fam.JIT_FILES_REFUSED), _family(fam.JIT_RECORDS_DROPPED)
+    read = _family(fam.JIT_BYTES_READ)
+    for kind in JIT_KINDS:
+        read.add_metric([kind], stats.jit_counters[(kind, "bytes_read")])
+    for (kind, name), value in sorted(stats.jit_counters.items()):
+        if name.startswith("refused_"):
+            refused.add_metric([kind, name.removeprefix("refused_")], value)
+        elif name in _JIT_DROP_COUNTERS:
+            dropped.add_metric([kind, name], value)
+    yield refused
+    yield dropped
+    yield read
+
+
+# Reader counters that count skipped input (the others count work done).
+_JIT_DROP_COUNTERS = frozenset((
+    "malformed", "long_lines", "dropped_entries", "bad_records", "corrupt",
+    "unknown_records", "debug_lines_dropped", "unwind_dropped",
+))

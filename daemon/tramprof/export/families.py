@@ -75,11 +75,31 @@ BPF_RUNS = Family(
     "tramprof_bpf_runs", "counter", (),
     "Runs of the sampling BPF program (kernel BPF statistics).")
 
+JIT_FILES = Family(
+    "tramprof_jit_files", "gauge", ("kind",),
+    "Perf map (kind=perf_map) and jitdump files in use for live processes.")
+JIT_ENTRIES = Family(
+    "tramprof_jit_entries", "gauge", ("kind",),
+    "Symbols held from perf map and jitdump files of live processes.")
+JIT_FILES_REFUSED = Family(
+    "tramprof_jit_files_refused", "counter", ("kind", "reason"),
+    "Attempts to open a perf map or jitdump that were refused, by reason: missing, symlink, "
+    "not_regular, hardlink, foreign_owner, permission, io_error, stale (left by an earlier "
+    "process with the same pid).")
+JIT_RECORDS_DROPPED = Family(
+    "tramprof_jit_records_dropped", "counter", ("kind", "reason"),
+    "Perf map lines or jitdump records skipped, by reason (malformed, long_lines, "
+    "dropped_entries over the entry cap, bad_records, corrupt, ...).")
+JIT_BYTES_READ = Family(
+    "tramprof_jit_bytes_read", "counter", ("kind",),
+    "Bytes read from perf map and jitdump files (incremental: appended bytes only).")
+
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
     KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS,
     NEW_PROCESS_EVENTS_LOST, DRAINS,
-    DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS,
+    DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
+    JIT_RECORDS_DROPPED, JIT_BYTES_READ,
 )
 
 

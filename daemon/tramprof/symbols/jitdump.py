@@ -201,6 +201,7 @@ class JitDump:
         expected_uid: int | None,
         *,
         root: str | None = None,
+        not_before_ns: int | None = None,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         max_entries: int = DEFAULT_MAX_ENTRIES,
@@ -211,7 +212,8 @@ class JitDump:
         if max_record_bytes < RECORD_HEADER_SIZE:
             raise ValueError("max_record_bytes is smaller than a record header")
         self.stats = JitDumpStats()
-        self._tail = TailReader(path, expected_uid, max_file_bytes, self.stats, root=root)
+        self._tail = TailReader(path, expected_uid, max_file_bytes, self.stats, root=root,
+                                not_before_ns=not_before_ns, skip_stale_prefix=False)
         self._max_record = max_record_bytes
         self._max_entries = max_entries
         self._max_unwind = max_unwind_bytes
@@ -244,6 +246,7 @@ class JitDump:
         expected_uid: int | None,
         *,
         proc_root: str = "/proc",
+        not_before_ns: int | None = None,
         **caps: int,
     ) -> JitDump:
         """Reader for ``jitdump_path(pid, nstgid_innermost, proc_root)``."""
@@ -251,6 +254,7 @@ class JitDump:
             f"tmp/jit-{_pid(nstgid_innermost)}.dump",
             expected_uid,
             root=f"{proc_root}/{_pid(pid)}/root",
+            not_before_ns=not_before_ns,
             **caps,
         )
 

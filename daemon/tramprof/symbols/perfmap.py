@@ -169,6 +169,7 @@ class PerfMap:
         expected_uid: int | None,
         *,
         root: str | None = None,
+        not_before_ns: int | None = None,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         max_entries: int = DEFAULT_MAX_ENTRIES,
@@ -177,7 +178,8 @@ class PerfMap:
         if max_line_bytes <= 0 or max_entries < 0:
             raise ValueError("max_line_bytes must be positive, max_entries >= 0")
         self.stats = PerfMapStats()
-        self._tail = TailReader(path, expected_uid, max_file_bytes, self.stats, root=root)
+        self._tail = TailReader(path, expected_uid, max_file_bytes, self.stats, root=root,
+                                not_before_ns=not_before_ns, skip_stale_prefix=True)
         self._index: AddrIndex[str] = AddrIndex()
         #: ``lookup(addr) -> str | None``: name of the newest entry covering
         #: ``addr``.  Bound straight to the index (it is cleared in place,
@@ -197,6 +199,7 @@ class PerfMap:
         expected_uid: int | None,
         *,
         proc_root: str = "/proc",
+        not_before_ns: int | None = None,
         **caps: int,
     ) -> PerfMap:
         """Reader for ``perf_map_path(pid, nstgid_innermost, proc_root)``."""
@@ -204,6 +207,7 @@ class PerfMap:
             f"tmp/perf-{_pid(nstgid_innermost)}.map",
             expected_uid,
             root=f"{proc_root}/{_pid(pid)}/root",
+            not_before_ns=not_before_ns,
             **caps,
         )
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 MISSING: Final = "missing"
@@ -38,6 +38,9 @@ HARDLINK: Final = "hardlink"
 FOREIGN_OWNER: Final = "foreign_owner"
 PERMISSION: Final = "permission"
 IO_ERROR: Final = "io_error"
+#: Last written before the process started: left by an earlier process that
+#: had the same pid (set by TailReader, not by open_untrusted).
+STALE: Final = "stale"
 
 #: Every reason :func:`open_untrusted` can return, in a stable order.
 REFUSAL_REASONS: Final[tuple[str, ...]] = (
@@ -48,6 +51,7 @@ REFUSAL_REASONS: Final[tuple[str, ...]] = (
     FOREIGN_OWNER,
     PERMISSION,
     IO_ERROR,
+    STALE,
 )
 
 # O_NONBLOCK: opening a FIFO without a writer returns at once instead of
@@ -65,6 +69,8 @@ class FileIdentity:
     dev: int
     ino: int
     size: int
+    #: Last modification; not part of the identity (appends change it).
+    mtime_ns: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,4 +240,4 @@ def open_untrusted(
     if refused is not None:
         os.close(fd)
         return refused
-    return SafeFile(fd, FileIdentity(st.st_dev, st.st_ino, st.st_size), max_bytes)
+    return SafeFile(fd, FileIdentity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), max_bytes)

@@ -21,6 +21,7 @@ from typing import Final
 from tramprof.symbols.safeopen import (
     IO_ERROR,
     REFUSAL_REASONS,
+    STALE,
     FileIdentity,
     Refusal,
     SafeFile,
@@ -103,10 +104,19 @@ class TailReader:
         stats: SourceStats,
         *,
         root: str | None = None,
+        not_before_ns: int | None = None,
+        skip_stale_prefix: bool = False,
     ) -> None:
         if max_bytes <= 0:
             raise ValueError("max_bytes must be positive")
         self.path = path
+        #: Content last modified before this time (the process's start, in
+        #: CLOCK_REALTIME ns) belongs to an earlier process with the same pid.
+        self.not_before_ns = not_before_ns
+        self._stale: FileIdentity | None = None
+        #: Append-only writers (perf maps) keep the stale lines at the start of
+        #: the file; truncating writers (jitdump) start over and need no skip.
+        self._skip_stale_prefix = skip_stale_prefix
         self.root = root
         self.expected_uid = expected_uid
         self.max_bytes = max_bytes
@@ -123,6 +133,12 @@ class TailReader:
         opened = open_untrusted(self.path, self.expected_uid, self.max_bytes, root=self.root)
         if isinstance(opened, Refusal):
             return self.refuse(opened)
+        if self.not_before_ns is not None and opened.identity.mtime_ns < self.not_before_ns:
+            # Runtimes append to a file left by an earlier process with the
+            # same pid (CPython never truncates): remember where that ends.
+            self._stale = opened.identity
+            opened.close()
+            return self.refuse(Refusal(STALE, "last written before the process started"))
         try:
             reset = self._must_restart(opened)
         except OSError as err:
@@ -132,12 +148,21 @@ class TailReader:
         if reset:
             if reloaded:
                 self.stats.reloads += 1
-            self.offset = 0
+            self.offset = self._stale_prefix(opened.identity)
             self.seen_limit = 0
             self._anchor = b""
         self.identity = opened.identity
         self.stats.bytes_capped = opened.capped_bytes
         return TailSession(self, opened, reset, reloaded)
+
+    def _stale_prefix(self, identity: FileIdentity) -> int:
+        """Bytes at the start of this file that an earlier process wrote."""
+        stale = self._stale
+        if stale is None or not self._skip_stale_prefix:
+            return 0
+        if (stale.dev, stale.ino) != (identity.dev, identity.ino):
+            return 0
+        return min(stale.size, identity.size)
 
     @property
     def full_path(self) -> str:

@@ -1,0 +1,128 @@
+"""Names for a process's anonymous executable memory (JIT code, trampolines),
+from the perf map and jitdump its runtime writes.
+
+The files are looked for where the process itself would write them: its own
+mount namespace (``/proc/PID/root``) and its own pid as it knows it (the
+innermost NStgid). A containerised process never falls back to the host's
+``/tmp``. Files are trusted only when owned by the process's effective uid
+(or root), and only content written after the process started counts: a
+file left by an earlier process with the same pid names nothing.
+
+A lookup that misses re-reads the files (at most once per
+``refresh_interval``), so code created after the first read resolves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tramprof.procinfo import read_nstgid
+from tramprof.symbols.jitdump import JitDump
+from tramprof.symbols.perfmap import PerfMap
+from tramprof.symbols.procmaps import Mapping
+from tramprof.symbols.tailreader import RefreshResult
+
+# The kernel stamps file times with a coarse clock (up to a jiffy behind the
+# precise clock a process start is measured with).
+MTIME_SLACK_NS = 20_000_000
+
+
+@dataclass(frozen=True)
+class JitLimits:
+    """Caps for the untrusted files; every one also bounds memory."""
+
+    max_perf_map_bytes: int = 64 << 20
+    max_jitdump_bytes: int = 256 << 20
+    max_line_bytes: int = 4096
+    max_entries: int = 2_000_000
+    refresh_interval: float = 1.0
+
+
+def boot_time_realtime_ns() -> int:
+    """CLOCK_REALTIME at boot, to turn CLOCK_BOOTTIME stamps into file times."""
+    return time.time_ns() - time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+def read_euid(pid: int, proc_root: str = "/proc") -> int:
+    with open(f"{proc_root}/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Uid:"):
+                return int(line.split()[2])
+    raise ValueError(f"no Uid line in {proc_root}/{pid}/status")
+
+
+@dataclass
+class JitSourceReport:
+    """What doctor says about one file."""
+
+    path: str
+    used: bool
+    refused: str | None
+    entries: int
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class JitSymbols:
+    """Perf map + jitdump of one process; ``resolve`` fits ProcessSymbolizer."""
+
+    def __init__(self, pid: int, start_boottime_ns: int | None = None, *,
+                 proc_root: str = "/proc", limits: JitLimits | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pid = pid
+        self.limits = limits or JitLimits()
+        self._clock = clock
+        nstgid = read_nstgid(pid, proc_root)[-1]
+        euid = read_euid(pid, proc_root)
+        not_before = None
+        if start_boottime_ns is not None:
+            not_before = boot_time_realtime_ns() + start_boottime_ns - MTIME_SLACK_NS
+        self.perf_map = PerfMap.for_process(
+            pid, nstgid, euid, proc_root=proc_root, not_before_ns=not_before,
+            max_file_bytes=self.limits.max_perf_map_bytes,
+            max_line_bytes=self.limits.max_line_bytes, max_entries=self.limits.max_entries)
+        self.jitdump = JitDump.for_process(
+            pid, nstgid, euid, proc_root=proc_root, not_before_ns=not_before,
+            max_file_bytes=self.limits.max_jitdump_bytes, max_entries=self.limits.max_entries)
+        self._last_refresh: float | None = None
+        self.last_results: tuple[RefreshResult, RefreshResult] | None = None
+        self.lookups = 0
+        self.resolved = 0
+
+    def refresh(self) -> None:
+        self._last_refresh = self._clock()
+        self.last_results = (self.perf_map.refresh(), self.jitdump.refresh())
+
+    def _lookup(self, addr: int) -> str | None:
+        return self.perf_map.lookup(addr) or self.jitdump.lookup(addr)
+
+    def resolve(self, mapping: Mapping, addr: int) -> str | None:
+        """Name of the JIT code at ``addr`` (inside anonymous executable ``mapping``)."""
+        self.lookups += 1
+        if self._last_refresh is None:
+            self.refresh()
+        name = self._lookup(addr)
+        if name is None and self._last_refresh is not None and \
+                self._clock() - self._last_refresh >= self.limits.refresh_interval:
+            self.refresh()
+            name = self._lookup(addr)
+        if name is not None:
+            self.resolved += 1
+        return name
+
+    def report(self) -> list[JitSourceReport]:
+        if self._last_refresh is None:
+            self.refresh()
+        assert self.last_results is not None
+        map_result, dump_result = self.last_results
+        return [self._source(self.perf_map.path, len(self.perf_map), map_result,
+                             self.perf_map.stats.as_dict()),
+                self._source(self.jitdump.path, len(self.jitdump), dump_result,
+                             self.jitdump.stats.as_dict())]
+
+    @staticmethod
+    def _source(path: str, entries: int, result: RefreshResult,
+                counters: dict[str, int]) -> JitSourceReport:
+        return JitSourceReport(path=path, used=result.refused is None and entries > 0,
+                               refused=result.refused, entries=entries, counters=counters)

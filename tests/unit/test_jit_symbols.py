@@ -1,0 +1,99 @@
+"""Where and when a process's perf map is trusted (fixture /proc trees)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from tramprof.symbols.jit import MTIME_SLACK_NS, JitLimits, JitSymbols, boot_time_realtime_ns
+from tramprof.symbols.procmaps import Mapping
+
+ANON = Mapping(0x7000, 0x9000, "r-xp", 0, 0, 0, 0, "")
+
+
+def fake_process(proc: Path, pid: int, nstgid: list[int], uid: int | None = None) -> Path:
+    uid = os.geteuid() if uid is None else uid
+    (proc / str(pid) / "root" / "tmp").mkdir(parents=True)
+    (proc / str(pid) / "status").write_text(
+        f"Name:\tapp\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
+        f"NStgid:\t{' '.join(map(str, nstgid))}\n")
+    return proc / str(pid) / "root" / "tmp"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_container_process_uses_its_own_tmp_and_namespace_pid(tmp_path):
+    tmp = fake_process(tmp_path, 4242, [4242, 7])
+    (tmp / "perf-4242.map").write_text("7000 10 host_pid_named_file\n")
+    (tmp / "perf-7.map").write_text("7000 10 py::handler:/app/main.py\n")
+    jit = JitSymbols(4242, proc_root=str(tmp_path))
+    assert jit.resolve(ANON, 0x7008) == "py::handler:/app/main.py"
+    assert jit.perf_map.path.endswith("/4242/root/tmp/perf-7.map")
+
+
+def test_no_fallback_to_the_hosts_tmp(tmp_path):
+    fake_process(tmp_path, 4242, [4242, 7])
+    jit = JitSymbols(4242, proc_root=str(tmp_path))
+    assert jit.resolve(ANON, 0x7008) is None
+    [perf_map, jitdump] = jit.report()
+    assert perf_map.refused == "missing" and not perf_map.used
+    assert jitdump.refused == "missing"
+
+
+def test_miss_rereads_at_most_once_per_interval(tmp_path):
+    tmp = fake_process(tmp_path, 10, [10])
+    path = tmp / "perf-10.map"
+    path.write_text("7000 10 first\n")
+    clock = Clock()
+    jit = JitSymbols(10, proc_root=str(tmp_path), clock=clock,
+                     limits=JitLimits(refresh_interval=1.0))
+    assert jit.resolve(ANON, 0x7000) == "first"
+    with path.open("a") as f:
+        f.write("8000 10 created_later\n")
+    assert jit.resolve(ANON, 0x8000) is None  # just read: no re-read yet
+    clock.now += 1.5
+    assert jit.resolve(ANON, 0x8000) == "created_later"
+    assert (jit.lookups, jit.resolved) == (3, 2)
+
+
+def test_stale_file_from_an_earlier_process_is_skipped(tmp_path):
+    tmp = fake_process(tmp_path, 11, [11])
+    path = tmp / "perf-11.map"
+    path.write_text("7000 100 stale_name\n")
+    started_ns = time.time_ns() - boot_time_realtime_ns()  # "now", in CLOCK_BOOTTIME
+    old = (time.time_ns() - 10 * MTIME_SLACK_NS) / 1e9
+    os.utime(path, (old, old))
+    clock = Clock()
+    jit = JitSymbols(11, started_ns, proc_root=str(tmp_path), clock=clock)
+    assert jit.resolve(ANON, 0x7000) is None
+    assert jit.report()[0].refused == "stale"
+    # The new process appends to the same file (CPython never truncates):
+    # only its own lines count, the earlier process's prefix stays ignored.
+    with path.open("a") as f:
+        f.write("7040 10 fresh_name\n")
+    clock.now += 5
+    assert jit.resolve(ANON, 0x7040) == "fresh_name"
+    assert jit.resolve(ANON, 0x7000) is None
+    assert jit.perf_map.stats.refused["stale"] >= 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a file owned by another uid")
+def test_file_owned_by_another_user_is_refused(tmp_path):
+    tmp = fake_process(tmp_path, 12, [12], uid=1000)
+    path = tmp / "perf-12.map"
+    path.write_text("7000 10 planted\n")
+    os.chown(path, 2000, 2000)
+    jit = JitSymbols(12, proc_root=str(tmp_path))
+    assert jit.resolve(ANON, 0x7000) is None
+    assert jit.report()[0].refused == "foreign_owner"
+    os.chown(path, 1000, 1000)  # the process's own uid: trusted
+    jit = JitSymbols(12, proc_root=str(tmp_path))
+    assert jit.resolve(ANON, 0x7000) == "planted"
