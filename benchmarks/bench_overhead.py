@@ -47,15 +47,18 @@ def slowdown(work: str, rounds: int, millions: int) -> None:
               f"{(m / base - 1) * 100:8.2f}%")
 
 
-def daemon_cost(work: str, seconds: float) -> None:
+def daemon_cost(work: str, seconds: float, warmup: float = 15) -> None:
     busy = subprocess.Popen([work, "100000"])
     daemon = Daemon("--frequency", "99", "--interval", "10")
     try:
+        start_cpu = daemon.cpu_seconds()
+        time.sleep(warmup)  # first drain: kernel and ELF symbol tables are loaded once
         cpu0, t0 = daemon.cpu_seconds(), time.monotonic()
         time.sleep(seconds)
         cpu1, t1 = daemon.cpu_seconds(), time.monotonic()
         metrics = daemon.get("/metrics")
         rss = daemon.peak_rss_mib()
+        steady_rss, anon_rss = daemon.rss_mib()
     finally:
         daemon.stop()
         busy.kill()
@@ -67,9 +70,12 @@ def daemon_cost(work: str, seconds: float) -> None:
             values[name] = float(value)
     runs = values.get("tramprof_bpf_runs_total", 0)
     per_sample = values.get("tramprof_bpf_run_time_seconds_total", 0) / runs * 1e6 if runs else 0
-    print(f"daemon at 99 Hz for {seconds:.0f} s with one busy process:")
-    print(f"  CPU: {(cpu1 - cpu0) / (t1 - t0) * 100:.2f}% of one core")
-    print(f"  peak RSS: {rss:.1f} MiB")
+    print(f"daemon at 99 Hz with one busy process, measured {seconds:.0f} s after a "
+          f"{warmup:.0f} s warm-up:")
+    print(f"  CPU: {(cpu1 - cpu0) / (t1 - t0) * 100:.2f}% of one core "
+          f"(start-up incl. BPF compile: {start_cpu:.2f} s)")
+    print(f"  RSS: {steady_rss:.1f} MiB now ({anon_rss:.1f} MiB anonymous), "
+          f"peak {rss:.1f} MiB (during the BPF compile)")
     print(f"  BPF program: {per_sample:.2f} us per sample over {runs:.0f} runs")
 
 

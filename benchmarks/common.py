@@ -61,6 +61,14 @@ class Daemon:
                 return int(line.split()[1]) / 1024
         return float("nan")
 
+    def rss_mib(self) -> tuple[float, float]:
+        """(VmRSS, RssAnon) in MiB."""
+        fields = dict(line.split(":", 1) for line in
+                      Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
+                      if ":" in line)
+        return (int(fields["VmRSS"].split()[0]) / 1024,
+                int(fields["RssAnon"].split()[0]) / 1024)
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=30)
