@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import replace
 
 from tramprof import __version__
-from tramprof.config import Config, ConfigError, load_file
+from tramprof.config import Config, ConfigError, describe, load
 
 
 def _positive_float(text: str) -> float:
@@ -62,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "frames get names (0: skip; needs root)")
 
     sub.add_parser("metrics", help="print the table of exported metric families (Markdown)")
+
+    config = sub.add_parser("config", help="configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate a configuration file")
+    check.add_argument("file", metavar="FILE")
+    config_sub.add_parser("show", help="print every setting, its environment variable and "
+                          "default")
     return parser
 
 
@@ -71,13 +77,16 @@ def _setup_logging(level: str) -> None:
 
 
 def _run_config(args: argparse.Namespace) -> Config:
-    config = load_file(args.config) if args.config else Config()
-    overrides = {
+    """Defaults < config file < TRAMPROF_* environment < command-line flags."""
+    return load(args.config, overrides=_flag_overrides(args))
+
+
+def _flag_overrides(args: argparse.Namespace) -> dict[str, object]:
+    return {
         "listen": args.listen, "frequency": args.frequency, "interval": args.interval,
         "event": args.event, "log_level": args.log_level,
         "pids": tuple(args.pids) if args.pids else None,
     }
-    return replace(config, **{k: v for k, v in overrides.items() if v is not None}).validated()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             from tramprof.service import run_daemon
 
-            return run_daemon(config)
+            overrides = _flag_overrides(args)
+            return run_daemon(config, reload=lambda: load(args.config, overrides=overrides))
         if args.command == "record":
             _setup_logging(args.log_level or "warning")
             config = Config(frequency=args.frequency, event=args.event,
@@ -109,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
             for check in checks:
                 print(check.render())
             return 0 if ok else 1
+        if args.command == "config":
+            if args.config_command == "check":
+                load(args.file)
+                print(f"{args.file}: ok")
+                return 0
+            for name, env, default in describe():
+                print(f"{name:28} {env:38} {default}")
+            return 0
         if args.command == "metrics":
             from tramprof.export.families import markdown_table
 

@@ -1,4 +1,5 @@
-"""Daemon settings: built-in defaults, an optional TOML file, CLI flags on top.
+"""Daemon settings, declared once: built-in defaults, then an optional TOML
+file, then ``TRAMPROF_<NAME>`` environment variables, then CLI flags.
 
 Default frequency: 99 Hz. Odd, so sampling does not run in lock-step with
 100/250/1000 Hz timer ticks and periodic work (which would over- or under-count
@@ -8,8 +9,10 @@ useful profiles within one 10 s interval (~1,000 samples per busy CPU).
 
 from __future__ import annotations
 
+import os
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from tramprof.sampler import EVENTS, SamplerConfig
@@ -17,6 +20,8 @@ from tramprof.sampler import EVENTS, SamplerConfig
 DEFAULT_LISTEN = "127.0.0.1:9947"
 DEFAULT_FREQUENCY = 99
 DEFAULT_INTERVAL = 10.0
+GROUP_LABELS = ("comm", "exe", "container_id", "pod_uid", "pid")
+ENV_PREFIX = "TRAMPROF_"
 
 
 class ConfigError(ValueError):
@@ -35,7 +40,17 @@ class Config:
     max_kernel_stacks: int = 8192
     proc_root: str = "/proc"
     log_level: str = "info"
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    group_by: tuple[str, ...] = ("comm",)
+    stack_series_per_group: int = 20
+    function_series_per_group: int = 50
+    max_series: int = 10000
+    max_label_bytes: int = 1024
+    series_expiry: float = 600.0
+    profile_retention: float = 300.0
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    basic_auth_user: str = ""
+    basic_auth_password_file: str = ""
 
     def sampler_config(self) -> SamplerConfig:
         return SamplerConfig(frequency=self.frequency, event=self.event,
@@ -44,53 +59,117 @@ class Config:
                              max_targets=max(4096, len(self.pids)))
 
     def validated(self) -> Config:
-        _check(1 <= self.frequency <= 10000, "frequency", "must be 1..10000 (Hz)")
-        _check(0.1 <= self.interval <= 3600, "interval", "must be 0.1..3600 (seconds)")
-        _check(self.event in EVENTS, "event", f"must be one of {', '.join(EVENTS)}")
-        _check(all(p > 0 for p in self.pids), "pids", "must be positive process ids")
-        for name in ("max_keys", "max_user_stacks", "max_kernel_stacks"):
-            _check(64 <= getattr(self, name) <= 1 << 22, name, "must be 64..4194304")
-        _check(self.log_level in ("debug", "info", "warning", "error"), "log_level",
-               "must be debug, info, warning or error")
-        from tramprof.export.http import parse_listen
-
-        try:
-            parse_listen(self.listen)
-        except ValueError as exc:
-            raise ConfigError(f"listen: {exc}") from None
+        for f in fields(self):
+            check = _CHECKS.get(f.name)
+            if check is not None:
+                why = check(getattr(self, f.name))
+                if why:
+                    raise ConfigError(f"{f.name}: {why}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file: set both tls_cert_file and tls_key_file, "
+                              "or neither")
+        if bool(self.basic_auth_user) != bool(self.basic_auth_password_file):
+            raise ConfigError("basic_auth_user: set both basic_auth_user and "
+                              "basic_auth_password_file, or neither")
         return self
 
 
-def _check(ok: bool, key: str, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {why}")
+def _range(low: float, high: float, unit: str = "") -> Callable[[Any], str]:
+    return lambda v: "" if low <= v <= high else f"must be {low:g}..{high:g}{unit}"
 
 
-_TYPES: dict[str, type] = {
-    "listen": str, "frequency": int, "interval": float, "pids": list, "event": str,
-    "max_keys": int, "max_user_stacks": int, "max_kernel_stacks": int,
-    "proc_root": str, "log_level": str,
+def _listen(value: str) -> str:
+    from tramprof.export.http import parse_listen
+
+    try:
+        parse_listen(value)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+_CHECKS: dict[str, Callable[[Any], str]] = {
+    "listen": _listen,
+    "frequency": _range(1, 10000, " (Hz)"),
+    "interval": _range(0.1, 3600, " (seconds)"),
+    "pids": lambda v: "" if all(p > 0 for p in v) else "must be positive process ids",
+    "event": lambda v: "" if v in EVENTS else f"must be one of {', '.join(EVENTS)}",
+    "max_keys": _range(64, 1 << 22),
+    "max_user_stacks": _range(64, 1 << 22),
+    "max_kernel_stacks": _range(64, 1 << 22),
+    "log_level": lambda v: "" if v in ("debug", "info", "warning", "error")
+    else "must be debug, info, warning or error",
+    "group_by": lambda v: "" if v and set(v) <= set(GROUP_LABELS)
+    else f"must be a non-empty list of {', '.join(GROUP_LABELS)}",
+    "stack_series_per_group": _range(1, 10000),
+    "function_series_per_group": _range(1, 10000),
+    "max_series": _range(10, 10_000_000),
+    "max_label_bytes": _range(64, 65536),
+    "series_expiry": _range(1, 86400 * 7, " (seconds)"),
+    "profile_retention": _range(1, 86400, " (seconds)"),
 }
 
+# The type each setting takes in TOML; tuples are lists of the element type.
+_KINDS: dict[str, type] = {f.name: type(f.default) for f in fields(Config)}
+_ELEMENTS: dict[str, type] = {"pids": int, "group_by": str}
 
-def from_mapping(data: dict[str, Any], base: Config | None = None) -> Config:
+
+def _coerce(key: str, value: Any) -> Any:
+    want = _KINDS[key]
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if want is tuple:
+        element = _ELEMENTS[key]
+        if not isinstance(value, list) or not all(
+                isinstance(v, element) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{key}: expected a list of {element.__name__}")
+        return tuple(value)
+    if not isinstance(value, want) or isinstance(value, bool):
+        raise ConfigError(f"{key}: expected {want.__name__}, got {type(value).__name__}")
+    return value
+
+
+def from_mapping(data: Mapping[str, Any], base: Config | None = None) -> Config:
     """Apply a parsed TOML table onto ``base``; unknown keys and bad types are errors."""
-    known = {f.name for f in fields(Config)} - {"extra"}
     changes: dict[str, Any] = {}
     for key, value in data.items():
-        if key not in known:
-            raise ConfigError(f"{key}: unknown setting (known: {', '.join(sorted(known))})")
-        want = _TYPES[key]
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, want) or isinstance(value, bool):
-            raise ConfigError(f"{key}: expected {want.__name__}, got {type(value).__name__}")
-        if isinstance(value, list):
-            if not all(isinstance(p, int) and not isinstance(p, bool) for p in value):
-                raise ConfigError(f"{key}: expected a list of integers")
-            value = tuple(value)
-        changes[key] = value
+        if key not in _KINDS:
+            raise ConfigError(f"{key}: unknown setting (known: {', '.join(sorted(_KINDS))})")
+        changes[key] = _coerce(key, value)
     return replace(base or Config(), **changes).validated()
+
+
+def _parse_env(key: str, text: str) -> Any:
+    want = _KINDS[key]
+    try:
+        if want is int:
+            return int(text)
+        if want is float:
+            return float(text)
+        if want is tuple:
+            element = _ELEMENTS[key]
+            return [element(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise ConfigError(f"{key}: environment variable {ENV_PREFIX}{key.upper()}="
+                          f"{text!r} is not a valid {want.__name__}") from None
+    return text
+
+
+def from_environment(environ: Mapping[str, str], base: Config | None = None) -> Config:
+    """Apply ``TRAMPROF_<SETTING>`` variables; unknown TRAMPROF_ variables are errors."""
+    data = {}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in _NOT_SETTINGS:
+            continue
+        key = name[len(ENV_PREFIX):].lower()
+        if key not in _KINDS:
+            raise ConfigError(f"{key}: unknown setting in environment variable {name}")
+        data[key] = _parse_env(key, text)
+    return from_mapping(data, base)
+
+
+# Variables of the same prefix that are not daemon settings.
+_NOT_SETTINGS = frozenset({"TRAMPROF_TRAMPOLINES", "TRAMPROF_TRAMPOLINES_JITDUMP"})
 
 
 def load_file(path: str) -> Config:
@@ -105,3 +184,17 @@ def load_file(path: str) -> Config:
         return from_mapping(data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def load(path: str | None, environ: Mapping[str, str] | None = None,
+         overrides: Mapping[str, Any] | None = None) -> Config:
+    """File, then environment, then explicit overrides (CLI flags)."""
+    config = load_file(path) if path else Config()
+    config = from_environment(os.environ if environ is None else environ, config)
+    return replace(config, **{k: v for k, v in (overrides or {}).items()
+                              if v is not None}).validated()
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(setting, environment variable, default) for documentation."""
+    return [(f.name, f"{ENV_PREFIX}{f.name.upper()}", repr(f.default)) for f in fields(Config)]

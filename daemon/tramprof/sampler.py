@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tramprof import bpf_layout
@@ -153,6 +153,7 @@ class Sampler:
         self._new_processes: list[tuple[int, int, int]] = []
         self.new_process_events_lost = 0
         self._stats_fd: int | None = None
+        self._event: tuple[int, int] | None = None
         self.event_name = ""
 
     def start(self) -> None:
@@ -234,9 +235,20 @@ class Sampler:
                 log.debug("perf event %s unavailable: %s", name, detail)
                 continue
             self.event_name = name
+            self._event = (ev_type, ev_config)
             log.info("sampling on %s at %d Hz on every CPU", name, self.config.frequency)
             return
         raise SamplerError("cannot attach to any perf event: " + "; ".join(errors))
+
+    def set_frequency(self, frequency: int) -> None:
+        """Re-attach at another frequency; the program and its maps stay loaded,
+        so nothing counted so far is lost."""
+        if frequency == self.config.frequency:
+            return
+        self.config = replace(self.config, frequency=frequency)
+        if self._event is not None:
+            self._bpf.detach_perf_event(ev_type=self._event[0], ev_config=self._event[1])
+        self._attach()
 
     def _write_config(self) -> None:
         cfg = bpf_layout.Config(active_buffer=self._active,

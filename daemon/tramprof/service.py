@@ -1,30 +1,46 @@
-"""``tramprof run``: the long-running daemon loop."""
+"""``tramprof run``: the long-running daemon loop.
+
+One thread samples, drains and symbolizes; HTTP threads only read snapshots
+(stats, the profile store). Signals: SIGTERM/SIGINT stop (every BPF program
+detached and unloaded), SIGHUP reloads the configuration in place.
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
 
 from prometheus_client.registry import CollectorRegistry
 
-from tramprof.config import Config
+from tramprof.config import Config, ConfigError
 from tramprof.export.collector import ProfilerCollector
 from tramprof.export.http import MetricsServer
+from tramprof.profile import Profile, ProfileStore
 from tramprof.profiler import Profiler
 from tramprof.sampler import SamplerError
 from tramprof.stats import ProfilerStats
 
 log = logging.getLogger(__name__)
 
+# Settings that only take effect at start-up (the rest apply on SIGHUP).
+RESTART_ONLY = ("listen", "event", "max_keys", "max_user_stacks", "max_kernel_stacks",
+                "proc_root", "tls_cert_file", "tls_key_file", "basic_auth_user",
+                "basic_auth_password_file")
+
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, reload: Callable[[], Config] | None = None) -> None:
         self.config = config
+        self._reload = reload
         self.profiler = Profiler(config)
+        self.store = ProfileStore(config.profile_retention)
         self._stop = False
+        self._reload_requested = False
         self._last_drain = time.monotonic()
+        self._window_start_ns = time.time_ns()
         self._snapshot = ProfilerStats()
         registry = CollectorRegistry(auto_describe=True)
         registry.register(ProfilerCollector(lambda: self._snapshot))
@@ -36,13 +52,17 @@ class Daemon:
             return False, f"last drain {age:.0f}s ago (interval {self.config.interval}s)"
         return True, "ok"
 
-    def stop(self, signum: int, frame: FrameType | None) -> None:
+    def _on_stop(self, signum: int, frame: FrameType | None) -> None:
         log.info("signal %d: stopping", signum)
         self._stop = True
 
+    def _on_reload(self, signum: int, frame: FrameType | None) -> None:
+        self._reload_requested = True
+
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, self.stop)
-        signal.signal(signal.SIGINT, self.stop)
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGINT, self._on_stop)
+        signal.signal(signal.SIGHUP, self._on_reload)
         try:
             self.profiler.start()
         except SamplerError as exc:
@@ -50,10 +70,14 @@ class Daemon:
             self.server.close()
             return 1
         self.server.start()
+        self._window_start_ns = time.time_ns()
         next_drain = time.monotonic() + self.config.interval
         try:
             while not self._stop:
                 self.profiler.wait(min(next_drain - time.monotonic(), 1.0))
+                if self._reload_requested:
+                    self._reload_requested = False
+                    self.reload()
                 if time.monotonic() >= next_drain:
                     try:
                         self.drain()
@@ -68,10 +92,38 @@ class Daemon:
         return 0
 
     def drain(self) -> None:
-        self.profiler.collect()
+        stacks = self.profiler.collect()
+        now_ns = time.time_ns()
+        self.store.add(Profile(tuple(stacks), self._window_start_ns,
+                               now_ns - self._window_start_ns, self.config.frequency))
+        self._window_start_ns = now_ns
         self._snapshot = self.profiler.stats.copy()
         self._last_drain = time.monotonic()
 
+    def reload(self) -> None:
+        """Re-read the configuration; apply what can change without a restart."""
+        if self._reload is None:
+            return
+        try:
+            new = self._reload()
+        except ConfigError as exc:
+            log.error("reload failed, keeping the running configuration: %s", exc)
+            return
+        ignored = [name for name in RESTART_ONLY if getattr(new, name) != getattr(self.config,
+                                                                                   name)]
+        if ignored:
+            log.warning("reload: %s change only at restart; keeping the running values",
+                        ", ".join(ignored))
+        if new.frequency != self.config.frequency:
+            self.profiler.sampler.set_frequency(new.frequency)
+        if new.pids != self.config.pids:
+            self.profiler.sampler.set_targets(new.pids or None)
+        logging.getLogger().setLevel(new.log_level.upper())
+        self.profiler.config = new
+        self.config = new
+        log.info("configuration reloaded: %d Hz, interval %.1f s, %s", new.frequency,
+                 new.interval, f"pids {list(new.pids)}" if new.pids else "all processes")
 
-def run_daemon(config: Config) -> int:
-    return Daemon(config).run()
+
+def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    return Daemon(config, reload).run()

@@ -130,3 +130,31 @@ def test_process_churn_does_not_grow_state(daemon, targets):
     assert value(metrics, "tramprof_process_events_total", kind="exit") >= 500
     assert value(metrics, "tramprof_samples_total", process="chain") > 0
     assert os.path.exists(f"/proc/{d.proc.pid}")
+
+
+def _rate(d: Daemon, drains_from: int, drains: int) -> float:
+    first = d.wait_for_drains(drains_from)
+    began = time.monotonic()
+    last = d.wait_for_drains(drains_from + drains)
+    elapsed = time.monotonic() - began
+    return (value(last, "tramprof_samples_total", process="chain")
+            - value(first, "tramprof_samples_total", process="chain")) / elapsed
+
+
+def test_sighup_changes_frequency_without_losing_counters(daemon, targets, start_target,
+                                                          tmp_path):
+    target = start_target(str(targets / "chain"), "60")
+    config = tmp_path / "tramprof.toml"
+    config.write_text(f"frequency = 49\ninterval = 1\npids = [{target.pid}]\n")
+    d = daemon("--config", str(config))
+    slow = _rate(d, 2, 3)
+    before = value(d.metrics(), "tramprof_samples_total", process="chain")
+    config.write_text(f"frequency = 499\ninterval = 1\npids = [{target.pid}]\n")
+    d.proc.send_signal(signal.SIGHUP)
+    drains = int(value(d.metrics(), "tramprof_drains_total"))
+    fast = _rate(d, drains + 2, 3)
+    after = value(d.metrics(), "tramprof_samples_total", process="chain")
+    assert 0.5 * 49 <= slow <= 1.25 * 49, slow
+    assert 0.5 * 499 <= fast <= 1.25 * 499, fast
+    assert after > before  # the counter went on from where it was
+    assert d.proc.poll() is None

@@ -67,3 +67,34 @@ def test_print_bpf_shows_source_and_offsets(capsys):
     out = capsys.readouterr().out
     assert "-DTP_OFF_TASK_START_BOOTTIME=" in out
     assert "int on_sample(struct bpf_perf_event_data *ctx)" in out
+
+
+def test_environment_between_file_and_flags(tmp_path):
+    from tramprof.config import from_environment, load
+
+    path = tmp_path / "t.toml"
+    path.write_text("frequency = 49\nmax_series = 500\n")
+    env = {"TRAMPROF_FREQUENCY": "199", "TRAMPROF_PIDS": "3, 4", "TRAMPROF_GROUP_BY":
+           "comm container_id", "PATH": "/bin", "TRAMPROF_TRAMPOLINES": "1"}
+    config = load(str(path), environ=env, overrides={"pids": (9,)})
+    assert config.frequency == 199 and config.max_series == 500
+    assert config.pids == (9,) and config.group_by == ("comm", "container_id")
+    with pytest.raises(ConfigError, match="^frequency: environment variable"):
+        from_environment({"TRAMPROF_FREQUENCY": "fast"})
+    with pytest.raises(ConfigError, match="^frequncy: unknown setting"):
+        from_environment({"TRAMPROF_FREQUNCY": "1"})
+    with pytest.raises(ConfigError, match="^group_by:"):
+        from_environment({"TRAMPROF_GROUP_BY": "hostname"})
+
+
+def test_config_check_and_show(tmp_path, capsys):
+    good = tmp_path / "good.toml"
+    good.write_text('listen = "0.0.0.0:9947"\ngroup_by = ["comm", "pod_uid"]\n')
+    assert main(["config", "check", str(good)]) == 0
+    assert capsys.readouterr().out.strip() == f"{good}: ok"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('tls_cert_file = "/etc/cert.pem"\n')
+    assert main(["config", "check", str(bad)]) == 2
+    assert "tls_cert_file: set both" in capsys.readouterr().err
+    assert main(["config", "show"]) == 0
+    assert "TRAMPROF_MAX_SERIES" in capsys.readouterr().out
