@@ -79,11 +79,11 @@ def test_environment_between_file_and_flags(tmp_path):
     config = load(str(path), environ=env, overrides={"pids": (9,)})
     assert config.frequency == 199 and config.max_series == 500
     assert config.pids == (9,) and config.group_by == ("comm", "container_id")
-    with pytest.raises(ConfigError, match="^frequency: environment variable"):
+    with pytest.raises(ConfigError, match=r"^frequency: environment variable"):
         from_environment({"TRAMPROF_FREQUENCY": "fast"})
-    with pytest.raises(ConfigError, match="^frequncy: unknown setting"):
+    with pytest.raises(ConfigError, match=r"^frequncy: unknown setting"):
         from_environment({"TRAMPROF_FREQUNCY": "1"})
-    with pytest.raises(ConfigError, match="^group_by:"):
+    with pytest.raises(ConfigError, match=r"^group_by:"):
         from_environment({"TRAMPROF_GROUP_BY": "hostname"})
 
 
