@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import ssl
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -17,7 +18,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from tramprof.config import Config, ConfigError
 from tramprof.export.collector import ProfilerCollector
-from tramprof.export.http import MetricsServer
+from tramprof.export.http import HttpSecurity, MetricsServer
 from tramprof.profile import Profile, ProfileStore
 from tramprof.profiler import Profiler
 from tramprof.sampler import SamplerError
@@ -44,7 +45,15 @@ class Daemon:
         self._snapshot = ProfilerStats()
         registry = CollectorRegistry(auto_describe=True)
         registry.register(ProfilerCollector(lambda: self._snapshot))
-        self.server = MetricsServer(config.listen, registry, self.health)
+        security = HttpSecurity.from_files(config.tls_cert_file, config.tls_key_file,
+                                           config.basic_auth_user,
+                                           config.basic_auth_password_file)
+        self.server = MetricsServer(config.listen, registry, self.health,
+                                    profiles=self._profiles, index_seconds=config.interval,
+                                    security=security)
+
+    def _profiles(self, seconds: float) -> Profile:
+        return self.store.last(seconds, self.config.frequency)
 
     def health(self) -> tuple[bool, str]:
         age = time.monotonic() - self._last_drain
@@ -126,4 +135,12 @@ class Daemon:
 
 
 def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> int:
-    return Daemon(config, reload).run()
+    try:
+        daemon = Daemon(config, reload)
+    except OSError as exc:  # the listen address is taken, a TLS or password file is missing
+        log.error("cannot start: %s", exc)
+        return 1
+    except (ValueError, ssl.SSLError) as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    return daemon.run()

@@ -97,3 +97,86 @@ def test_http_endpoints_text_and_openmetrics(registry):
         assert err.value.code == 404
     finally:
         server.close()
+
+
+def _profile():
+    from tramprof.profile import Profile
+    from tramprof.unwind import Stack
+
+    return Profile((Stack(1, "app", "app", ("main", "work"), 30),
+                    Stack(2, "db", "db", ("main", "query"), 12)),
+                   start_ns=1_700_000_000_000_000_000, duration_ns=10_000_000_000,
+                   frequency_hz=99)
+
+
+def _server(registry, **kw):
+    server = MetricsServer("127.0.0.1:0", registry, lambda: (True, "ok"),
+                           profiles=lambda seconds: _profile(), **kw)
+    server.start()
+    return server
+
+
+def test_profile_endpoint_formats_and_pid_filter(registry):
+    server = _server(registry)
+    base = f"http://127.0.0.1:{server.address[1]}"
+    try:
+        with urllib.request.urlopen(base + "/profile?seconds=30") as r:
+            assert r.read().decode() == "app;main;work 30\ndb;main;query 12\n"
+        with urllib.request.urlopen(base + "/profile?format=folded&pid=2") as r:
+            assert r.read().decode() == "db;main;query 12\n"
+        for bad in ("format=gif", "seconds=-1", "seconds=x", "pid=abc"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(f"{base}/profile?{bad}")
+            assert err.value.code == 400
+        with urllib.request.urlopen(base + "/") as r:
+            assert r.headers["Content-Type"].startswith("text/html")
+            assert "main" in r.read().decode()
+    finally:
+        server.close()
+
+
+def test_basic_auth_and_tls(registry, tmp_path):
+    import base64
+    import shutil
+    import socket
+    import ssl
+    import subprocess
+
+    from tramprof.export.http import HttpSecurity
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    password = tmp_path / "password"
+    password.write_text("s3cret\n")
+    security = HttpSecurity.from_files(str(cert), str(key), "prom", str(password))
+    server = _server(registry, security=security)
+    base = f"https://127.0.0.1:{server.address[1]}"
+    context = ssl.create_default_context(cafile=str(cert))
+    context.check_hostname = False
+    try:
+        stalled = socket.create_connection(("127.0.0.1", server.address[1]))  # no handshake
+        with urllib.request.urlopen(base + "/healthz", context=context) as r:
+            assert r.read() == b"ok\n"  # probes need no credentials
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(base + "/metrics", context=context)
+        assert err.value.code == 401
+        for user, word, code in (("prom", "wrong", 401), ("prom", "s3cret", 200)):
+            token = base64.b64encode(f"{user}:{word}".encode()).decode()
+            request = urllib.request.Request(base + "/metrics",
+                                             headers={"Authorization": f"Basic {token}"})
+            if code == 200:
+                with urllib.request.urlopen(request, context=context) as r:
+                    assert b"tramprof_samples_total" in r.read()
+            else:
+                with pytest.raises(urllib.error.HTTPError) as err:
+                    urllib.request.urlopen(request, context=context)
+                assert err.value.code == code
+        with pytest.raises(OSError):  # plain HTTP is not served
+            urllib.request.urlopen(f"http://127.0.0.1:{server.address[1]}/healthz", timeout=3)
+        stalled.close()
+    finally:
+        server.close()
