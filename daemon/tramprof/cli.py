@@ -8,6 +8,7 @@ import sys
 
 from tramprof import __version__
 from tramprof.config import Config, ConfigError, describe, load
+from tramprof.export.formats import FORMATS
 
 
 def _positive_float(text: str) -> float:
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="SECONDS", help="how long to sample (default 10)")
     record.add_argument("--frequency", "-F", type=int, default=99, metavar="HZ",
                         help="samples per second per CPU (default 99)")
-    record.add_argument("--format", "-f", choices=("folded",), default="folded",
+    record.add_argument("--format", "-f", choices=tuple(FORMATS), default="folded",
                         help="output format (default folded: comm;root;...;leaf COUNT)")
     record.add_argument("--output", "-o", metavar="FILE", help="write here instead of stdout")
     record.add_argument("--event", choices=("auto", "cycles", "cpu-clock"), default="auto")

@@ -32,12 +32,10 @@ class Profiler:
         self.events = open_event_source(log)
 
     def start(self) -> None:
-        self.sampler.start()
+        self.sampler.start(self.config.pids or None)
         # Parse kallsyms now rather than in the first drain (~0.5 s of CPU).
         if not self.kernel.available:
             log.warning("kernel frames stay unnamed: %s", self.kernel.unavailable_reason)
-        if self.config.pids:
-            self.sampler.set_targets(self.config.pids)
 
     def event_fds(self) -> list[int]:
         """Descriptors to wait on: lifecycle events and newly sampled processes."""

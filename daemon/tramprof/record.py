@@ -1,21 +1,23 @@
-"""``tramprof record``: a one-shot profile written as folded stacks."""
+"""``tramprof record``: a one-shot profile in any output format."""
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
 import time
-from collections import Counter
 from types import FrameType
 
 from tramprof.config import Config
-from tramprof.folded import write_folded
-from tramprof.profiler import Profiler, aggregate_folded
+from tramprof.export.formats import FORMATS
+from tramprof.profile import Profile, merge
+from tramprof.profiler import Profiler
 from tramprof.sampler import SamplerError
 
 
 def record(config: Config, duration: float, fmt: str, output: str | None) -> int:
+    if fmt not in FORMATS:
+        print(f"tramprof: unknown format {fmt}", file=sys.stderr)
+        return 2
     profiler = Profiler(config)
     stop = False
 
@@ -30,25 +32,33 @@ def record(config: Config, duration: float, fmt: str, output: str | None) -> int
     except SamplerError as exc:
         print(f"tramprof: {exc}", file=sys.stderr)
         return 1
-    folded: Counter[tuple[str, ...]] = Counter()
+    windows: list[Profile] = []
+    window_start = time.time_ns()
+
+    def drain() -> None:
+        nonlocal window_start
+        stacks = profiler.collect()
+        now = time.time_ns()
+        windows.append(Profile(tuple(stacks), window_start, now - window_start,
+                               config.frequency))
+        window_start = now
+
     try:
         deadline = time.monotonic() + duration
         next_drain = time.monotonic() + config.interval
-        while not stop:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            profiler.wait(min(0.5, deadline - now, next_drain - now))
+        while not stop and (left := deadline - time.monotonic()) > 0:
+            profiler.wait(min(0.5, left, next_drain - time.monotonic()))
             if time.monotonic() >= next_drain:
-                folded.update(aggregate_folded(profiler.collect()))
+                drain()
                 next_drain = time.monotonic() + config.interval
-        folded.update(aggregate_folded(profiler.collect()))
+        drain()
     finally:
         profiler.close()
-    if fmt != "folded":
-        print(f"tramprof: unsupported format {fmt}", file=sys.stderr)
-        return 2
-    with contextlib.ExitStack() as stack:
-        out = stack.enter_context(open(output, "w")) if output else sys.stdout
-        write_folded(folded, out)
+    body = FORMATS[fmt].encode(merge(windows, config.frequency))
+    if output:
+        with open(output, "wb") as f:
+            f.write(body)
+    else:
+        sys.stdout.buffer.write(body)
+        sys.stdout.flush()
     return 0

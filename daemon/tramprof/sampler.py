@@ -156,7 +156,9 @@ class Sampler:
         self._event: tuple[int, int] | None = None
         self.event_name = ""
 
-    def start(self) -> None:
+    def start(self, pids: Iterable[int] | None = None) -> None:
+        """Compile, load and attach; with ``pids``, only those processes are
+        sampled from the first tick on."""
         from bcc import BPF  # imported late: the unit tests and `doctor` run without it
 
         try:
@@ -178,6 +180,8 @@ class Sampler:
                                f"hint: {_load_hint(output)}") from failure
         if output.strip():
             log.debug("bcc compiler output:\n%s", output)
+        if pids is not None:
+            self.set_targets(pids)
         self._write_config()
         self._open_new_process_events()
         self._attach()

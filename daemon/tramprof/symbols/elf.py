@@ -424,6 +424,10 @@ def _build_id_from_notes(blob: bytes, endian: str) -> str | None:
     return None
 
 
+def _stat_key(st: os.stat_result) -> str:
+    return f"stat:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
 class ElfCache:
     """Bounded LRU of parsed ``ElfSymbols``, shared by all processes.
 
@@ -459,10 +463,17 @@ class ElfCache:
         with open(path, "rb") as f:
             return self.get_file(f)
 
+    def cached_file(self, f: BinaryIO) -> ElfSymbols | None:
+        """Symbols of an open file if this exact file was parsed before; never parses."""
+        st = os.fstat(f.fileno())
+        with self._lock:
+            primary = self._aliases.get(_stat_key(st))
+            return self._lookup(primary) if primary is not None else None
+
     def get_file(self, f: BinaryIO) -> ElfSymbols:
         """Symbols of an open file; raises OSError or ElfError."""
         st = os.fstat(f.fileno())
-        stat_key = f"stat:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+        stat_key = _stat_key(st)
         with self._lock:
             primary = self._aliases.get(stat_key)
             if primary is not None:

@@ -18,6 +18,7 @@ from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
 from enum import StrEnum
+from typing import BinaryIO
 
 from tramprof.symbols.elf import ElfCache, ElfSymbols
 from tramprof.symbols.errors import ElfError, ProcessGone, SymbolizationError
@@ -112,6 +113,8 @@ class ProcessSymbolizer:
         self._maps_loaded_at: float | None = None
         self._maps_error: FailureReason | None = None
         self._objects: dict[Mapping, _ObjectState] = {}
+        # Files opened by preload() and not parsed yet.
+        self._held: dict[Mapping, BinaryIO] = {}
 
     # -- maps -------------------------------------------------------------
 
@@ -143,14 +146,30 @@ class ProcessSymbolizer:
         self._objects = {m: o for m, o in self._objects.items() if m in live}
 
     def preload(self) -> None:
-        """Read the maps and parse every mapped executable now, while the
+        """Read the maps and open every mapped executable now, while the
         process runs: after it exits neither its maps nor its files (through
-        /proc/PID/root or map_files) can be opened any more."""
+        /proc/PID/root or map_files) can be opened any more.
+
+        Only opening is done here (cheap: a short-lived process may live just
+        milliseconds); files not parsed before are parsed when first needed,
+        from the descriptor held since.
+        """
         self.reload_maps()
         for m in self._mappings:
-            if m.is_exec and not m.is_anonymous and not m.is_special and m not in self._objects:
-                self._objects[m] = self._load_object(m)
-            elif m.is_vdso and m not in self._objects:
+            if m in self._objects or m in self._held:
+                continue
+            if m.is_exec and not m.is_anonymous and not m.is_special:
+                opened = self._open_object(m)
+                if isinstance(opened, FailureReason):
+                    self._objects[m] = opened
+                    continue
+                cached = self._cache.cached_file(opened)
+                if cached is not None:
+                    opened.close()
+                    self._objects[m] = cached
+                else:
+                    self._held[m] = opened
+            elif m.is_vdso:
                 self._objects[m] = self._load_vdso(m)
 
     def mapping_for(self, addr: int) -> Mapping | None:
@@ -216,7 +235,22 @@ class ProcessSymbolizer:
         return name
 
     def _load_object(self, m: Mapping) -> _ObjectState:
-        """Open the mapped file the way the process sees it and parse it.
+        """Parse the mapped file, from the descriptor preload() held or freshly opened."""
+        opened = self._held.pop(m, None) or self._open_object(m)
+        if isinstance(opened, FailureReason):
+            return opened
+        with opened:
+            try:
+                return self._cache.get_file(opened)
+            except ElfError as e:
+                if e.reason == "not_elf":
+                    return FailureReason.NOT_ELF
+                return FailureReason.MALFORMED_ELF
+            except OSError:
+                return FailureReason.FILE_UNREADABLE
+
+    def _open_object(self, m: Mapping) -> BinaryIO | FailureReason:
+        """Open the mapped file the way the process sees it.
 
         ``/proc/PID/root`` + path gives the container's view of the file; the
         inode check rejects a file replaced since it was mapped. Deleted
@@ -232,19 +266,19 @@ class ProcessSymbolizer:
                 # O_NONBLOCK + S_ISREG: a FIFO or device planted at the path
                 # must neither hang nor be read.
                 fd = os.open(path, _OPEN_FLAGS)
-                with os.fdopen(fd, "rb") as f:
-                    st = os.fstat(fd)
-                    if not stat.S_ISREG(st.st_mode):
-                        continue
-                    if check_inode and m.inode and st.st_ino != m.inode:
-                        continue
-                    return self._cache.get_file(f)
-            except ElfError as e:
-                if e.reason == "not_elf":
-                    return FailureReason.NOT_ELF
-                return FailureReason.MALFORMED_ELF
             except OSError:
                 continue
+            f = os.fdopen(fd, "rb")
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                f.close()
+                continue
+            if not stat.S_ISREG(st.st_mode) or (check_inode and m.inode
+                                                 and st.st_ino != m.inode):
+                f.close()
+                continue
+            return f
         if process_exited(self.pid, self._proc_root):
             return FailureReason.PROCESS_GONE
         return FailureReason.FILE_UNREADABLE
