@@ -5,6 +5,9 @@ PYTHON_SYSTEM ?= /usr/bin/python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tramprof-installed
+TEST_STAMP := $(VENV)/.tramprof-test-deps
+# Only the tests need these: a real Prometheus server and a browser.
+TEST_PACKAGES := prometheus chromium
 PYTEST_ARGS ?=
 
 .PHONY: setup run test test-unit test-privileged lint bench clean
@@ -19,16 +22,21 @@ $(STAMP): pyproject.toml deploy/install-deps.sh
 	@$(BIN)/python -c "import bcc" 2>/dev/null || echo "setup: WARNING: bcc is not importable (python3-bpfcc)"
 	@touch $(STAMP)
 
+$(TEST_STAMP): deploy/install-deps.sh Makefile
+	@if [ "$$(id -u)" = 0 ]; then sh deploy/install-deps.sh $(TEST_PACKAGES); \
+	  else echo "setup: not root, skipping test packages ($(TEST_PACKAGES))"; fi
+	@touch $(TEST_STAMP)
+
 run: setup
 	$(BIN)/tramprof run
 
-test: setup lint
+test: setup $(TEST_STAMP) lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
-test-privileged: setup
+test-privileged: setup $(TEST_STAMP)
 	$(BIN)/python -m pytest tests/bpf tests/e2e $(PYTEST_ARGS)
 
 lint: setup

@@ -8,6 +8,7 @@ detached and unloaded), SIGHUP reloads the configuration in place.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import ssl
 import time
@@ -19,9 +20,16 @@ from prometheus_client.registry import CollectorRegistry
 from tramprof.config import Config, ConfigError
 from tramprof.export.collector import ProfilerCollector
 from tramprof.export.http import HttpSecurity, MetricsServer
+from tramprof.privileges import (
+    PrivilegeError,
+    current_capabilities,
+    drop_capabilities,
+    runtime_capabilities,
+)
 from tramprof.profile import Profile, ProfileStore
 from tramprof.profiler import Profiler
 from tramprof.sampler import SamplerError
+from tramprof.sdnotify import Notifier
 from tramprof.stats import ProfilerStats
 
 log = logging.getLogger(__name__)
@@ -36,6 +44,7 @@ class Daemon:
     def __init__(self, config: Config, reload: Callable[[], Config] | None = None) -> None:
         self.config = config
         self._reload = reload
+        self.notifier = Notifier.from_environment(unset_environment=True)
         self.profiler = Profiler(config)
         self.store = ProfileStore(config.profile_retention)
         self._stop = False
@@ -76,17 +85,25 @@ class Daemon:
             self.profiler.start()
         except SamplerError as exc:
             log.error("%s", exc)
+            self.notifier.notify(STATUS=f"failed: {str(exc).splitlines()[0]}")
             self.server.close()
             return 1
+        self._drop_privileges()
         self.server.start()
         self._window_start_ns = time.time_ns()
+        self.notifier.ready(self._status())
         next_drain = time.monotonic() + self.config.interval
         try:
             while not self._stop:
                 self.profiler.wait(min(next_drain - time.monotonic(), 1.0))
+                # From the main loop, so a stuck loop stops the pings and
+                # systemd restarts the service.
+                self.notifier.watchdog_if_due()
                 if self._reload_requested:
                     self._reload_requested = False
+                    self.notifier.reloading()
                     self.reload()
+                    self.notifier.ready(self._status())
                 if time.monotonic() >= next_drain:
                     try:
                         self.drain()
@@ -95,10 +112,29 @@ class Daemon:
                         log.exception("drain failed")
                     next_drain = time.monotonic() + self.config.interval
         finally:
+            self.notifier.stopping("detaching BPF programs")
             self.profiler.close()
             self.server.close()
         log.info("stopped")
         return 0
+
+    def _status(self) -> str:
+        target = f"{len(self.config.pids)} processes" if self.config.pids else "all processes"
+        return (f"sampling {target} at {self.config.frequency} Hz on "
+                f"{self.profiler.sampler.event_name}, serving {self.config.listen}")
+
+    def _drop_privileges(self) -> None:
+        """Keep only what the running daemon needs (reading other processes'
+        /proc files, and CAP_PERFMON to re-attach on a SIGHUP frequency change)."""
+        if os.geteuid() != 0 and not current_capabilities().get("CapEff"):
+            return
+        keep = runtime_capabilities() | {"CAP_PERFMON"}
+        try:
+            kept = drop_capabilities(keep)
+        except (PrivilegeError, ValueError) as exc:
+            log.warning("keeping all capabilities: %s", exc)
+            return
+        log.info("capabilities kept after start-up: %s", ", ".join(kept) or "none")
 
     def drain(self) -> None:
         stacks = self.profiler.collect()

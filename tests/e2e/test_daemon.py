@@ -110,9 +110,33 @@ def test_samples_per_process_and_clean_stop(daemon, targets, start_target):
     for reason in ("counts_map_full", "user_stacks_map_full", "user_stack_collision"):
         assert value(last, "tramprof_lost_samples_total", reason=reason) == 0
     assert d.get("/healthz").strip() == "ok"
+    _check_profiles(d, target.pid)
     assert our_bpf_programs(), "the sampling program should be loaded while running"
     assert d.stop() == 0
     assert our_bpf_programs() == [], "SIGTERM must unload every BPF program"
+
+
+def _check_profiles(d: Daemon, pid: int) -> None:
+    """The stored windows come back in every format with the target's frames."""
+    import gzip
+    import json
+
+    from tramprof.export.pprof import ProfileMessage
+
+    folded = d.get(f"/profile?seconds=60&pid={pid}")
+    lines = [line for line in folded.splitlines() if line.startswith("chain;")]
+    assert lines and all(";main;chain_a;chain_b;chain_c " in line for line in lines[:1])
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.port}/profile?format=pprof&pid={pid}",
+                                timeout=10) as r:
+        message = ProfileMessage()
+        message.ParseFromString(gzip.decompress(r.read()))
+    names = {message.string_table[f.name] for f in message.function}
+    assert {"main", "chain_a", "chain_b", "chain_c"} <= names
+    assert sum(s.value[0] for s in message.sample) == sum(
+        int(line.rsplit(" ", 1)[1]) for line in folded.splitlines())
+    speedscope = json.loads(d.get(f"/profile?format=speedscope&pid={pid}"))
+    assert any(f["name"] == "chain_c" for f in speedscope["shared"]["frames"])
+    assert "chain_c" in d.get("/")
 
 
 def test_process_churn_does_not_grow_state(daemon, targets):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import html
 import io
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tramprof.export.flamegraph import render_flamegraph_html
+from tramprof.export.pprof import encode_pprof
+from tramprof.export.speedscope import encode_speedscope
 from tramprof.folded import write_folded
 from tramprof.profile import Profile
 
@@ -28,21 +30,23 @@ def encode_folded(profile: Profile) -> bytes:
     return out.getvalue().encode()
 
 
+def _flamegraph(profile: Profile) -> bytes:
+    return render_flamegraph_html(profile, "tramprof CPU profile")
+
+
 FORMATS: dict[str, Format] = {
     "folded": Format(encode_folded, "text/plain; charset=utf-8"),
+    "pprof": Format(encode_pprof, "application/octet-stream", "profile.pb.gz"),
+    "speedscope": Format(lambda p: encode_speedscope(p, "tramprof"), "application/json",
+                         "profile.speedscope.json"),
+    "flamegraph": Format(_flamegraph, "text/html; charset=utf-8"),
 }
 
 
 class IndexPage:
-    """The page at ``/``: what the daemon serves, and the last window's profile."""
+    """The page at ``/``: a flame graph of the last window (links to the
+    other endpoints are in the page's header)."""
 
     @staticmethod
     def render(profile: Profile) -> bytes:
-        links = "".join(f'<li><a href="/profile?format={name}">/profile?format={name}</a></li>'
-                        for name in FORMATS)
-        return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>tramprof</title>"
-                f"</head><body><h1>tramprof</h1><p>{profile.total_samples} samples in the "
-                f"last window.</p><ul><li><a href=\"/metrics\">/metrics</a></li>{links}"
-                f"<li><a href=\"/healthz\">/healthz</a></li></ul><pre>"
-                f"{html.escape(encode_folded(profile).decode()[:20000])}</pre></body></html>"
-                ).encode()
+        return render_flamegraph_html(profile, "tramprof: last window")

@@ -1,0 +1,350 @@
+"""Give up the capabilities that only start-up needed.
+
+Start-up (compiling and loading the BPF program, creating its maps, opening
+one perf event per CPU, subscribing to the process connector, reading
+kallsyms) needs CAP_BPF, CAP_PERFMON, CAP_SYSLOG and, before Linux 6.6,
+CAP_NET_ADMIN. Once those descriptors are open the kernel checks nothing
+more on them: map lookups, updates and deletes on a map fd, reading the perf
+ring buffers, receiving on the bound netlink socket and closing everything
+on shutdown are all capability-free. Two older-kernel exceptions:
+
+* before Linux 5.19, ``kernel.unprivileged_bpf_disabled`` != 0 made *every*
+  bpf() command, map access through an existing fd included, require
+  CAP_BPF (or CAP_SYS_ADMIN); 5.19 ("bpf: refine
+  kernel.unprivileged_bpf_disabled behaviour") limited that to creating
+  objects. ``runtime_capabilities()`` keeps CAP_BPF there.
+* /proc/kallsyms shows real addresses only to a reader that had CAP_SYSLOG
+  when it *opened* the file (or with perf_event_paranoid <= 1); the daemon
+  reads it during start-up.
+
+What the running daemon does need, every drain, is to look at other
+processes (``runtime_capabilities()``):
+
+CAP_SYS_PTRACE
+    /proc/PID/maps, /proc/PID/mem (the vdso image), /proc/PID/root (the
+    process's own view of its files and /tmp/perf-PID.map) and
+    /proc/PID/map_files are guarded by ptrace_may_access(); for processes of
+    other users, and for any process whose capabilities are not a subset of
+    ours (every root service), only CAP_SYS_PTRACE passes it.
+CAP_DAC_READ_SEARCH
+    The ptrace check comes on top of plain file permissions: /proc/PID/mem
+    is mode 0600 and /proc/PID/map_files mode 0500, both owned by the
+    process's user, and a binary may sit below a 0700 home directory. The
+    daemon only reads, so the read/search override is enough;
+    CAP_DAC_OVERRIDE (write anywhere) is not kept.
+CAP_CHECKPOINT_RESTORE
+    Following a /proc/PID/map_files/START-END link (how deleted binaries,
+    memfd JIT code and files outside our mount namespace are opened) needs
+    ``checkpoint_restore_ns_capable(&init_user_ns)``: CAP_CHECKPOINT_RESTORE
+    (Linux >= 5.9) or CAP_SYS_ADMIN. The narrow one is enough; CAP_SYS_ADMIN
+    is never kept. Without either, those mappings just stay unnamed.
+
+``drop_capabilities(keep)`` clears the ambient set, removes every other
+capability from the bounding set (needs CAP_SETPCAP, which it then drops
+too), locks the securebits so that an exec as uid 0 cannot regain
+capabilities, sets PR_SET_NO_NEW_PRIVS, and finally sets effective =
+permitted = ``keep`` and inheritable = nothing.
+
+Capabilities are per thread: call it from the main thread before any other
+thread exists (it refuses otherwise), so that threads started later inherit
+the reduced set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import platform
+import threading
+from collections.abc import Iterable
+
+log = logging.getLogger(__name__)
+
+# linux/capability.h
+CAPABILITIES: dict[str, int] = {
+    "CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_DAC_READ_SEARCH": 2, "CAP_FOWNER": 3,
+    "CAP_FSETID": 4, "CAP_KILL": 5, "CAP_SETGID": 6, "CAP_SETUID": 7, "CAP_SETPCAP": 8,
+    "CAP_LINUX_IMMUTABLE": 9, "CAP_NET_BIND_SERVICE": 10, "CAP_NET_BROADCAST": 11,
+    "CAP_NET_ADMIN": 12, "CAP_NET_RAW": 13, "CAP_IPC_LOCK": 14, "CAP_IPC_OWNER": 15,
+    "CAP_SYS_MODULE": 16, "CAP_SYS_RAWIO": 17, "CAP_SYS_CHROOT": 18, "CAP_SYS_PTRACE": 19,
+    "CAP_SYS_PACCT": 20, "CAP_SYS_ADMIN": 21, "CAP_SYS_BOOT": 22, "CAP_SYS_NICE": 23,
+    "CAP_SYS_RESOURCE": 24, "CAP_SYS_TIME": 25, "CAP_SYS_TTY_CONFIG": 26, "CAP_MKNOD": 27,
+    "CAP_LEASE": 28, "CAP_AUDIT_WRITE": 29, "CAP_AUDIT_CONTROL": 30, "CAP_SETFCAP": 31,
+    "CAP_MAC_OVERRIDE": 32, "CAP_MAC_ADMIN": 33, "CAP_SYSLOG": 34, "CAP_WAKE_ALARM": 35,
+    "CAP_BLOCK_SUSPEND": 36, "CAP_AUDIT_READ": 37, "CAP_PERFMON": 38, "CAP_BPF": 39,
+    "CAP_CHECKPOINT_RESTORE": 40,
+}
+_NAMES = {bit: name for name, bit in CAPABILITIES.items()}
+
+# What the daemon needs after start-up on every kernel (see the module doc).
+RUNTIME_CAPABILITIES = frozenset({"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH",
+                                  "CAP_CHECKPOINT_RESTORE"})
+
+# linux/prctl.h, linux/securebits.h, linux/capability.h
+_PR_CAPBSET_READ = 23
+_PR_CAPBSET_DROP = 24
+_PR_GET_SECUREBITS = 27
+_PR_SET_SECUREBITS = 28
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_GET_NO_NEW_PRIVS = 39
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_CLEAR_ALL = 4
+_SECBIT_NOROOT = 1 << 0
+_SECBIT_NOROOT_LOCKED = 1 << 1
+_SECBIT_NO_SETUID_FIXUP = 1 << 2
+_SECBIT_NO_SETUID_FIXUP_LOCKED = 1 << 3
+_SECBIT_NO_CAP_AMBIENT_RAISE = 1 << 6
+_SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED = 1 << 7
+# No capabilities from exec'ing as root or from file capabilities; no
+# ambient raising. NO_SETUID_FIXUP stays off: a later setuid away from 0
+# should still clear capabilities, not keep them.
+_LOCKED_SECUREBITS = (_SECBIT_NOROOT | _SECBIT_NOROOT_LOCKED
+                      | _SECBIT_NO_SETUID_FIXUP_LOCKED
+                      | _SECBIT_NO_CAP_AMBIENT_RAISE | _SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED)
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+class PrivilegeError(OSError):
+    """Capabilities could not be reduced as asked; the message says why."""
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _lib() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        lib.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                              ctypes.c_ulong]
+        lib.prctl.restype = ctypes.c_int
+        lib.capget.argtypes = [ctypes.POINTER(_CapHeader), ctypes.POINTER(_CapData)]
+        lib.capget.restype = ctypes.c_int
+        lib.capset.argtypes = [ctypes.POINTER(_CapHeader), ctypes.POINTER(_CapData)]
+        lib.capset.restype = ctypes.c_int
+        _libc = lib
+    return _libc
+
+
+def _prctl(option: int, arg2: int = 0, arg3: int = 0) -> int:
+    result = int(_lib().prctl(option, arg2, arg3, 0, 0))
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+    return result
+
+
+# -- reading ---------------------------------------------------------------------
+
+
+def cap_last_cap() -> int:
+    """The highest capability number this kernel knows."""
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return max(CAPABILITIES.values())
+
+
+def cap_names(mask: int) -> list[str]:
+    """Capability names in a bit mask, in bit order (unknown bits as ``cap_N``)."""
+    return [_NAMES.get(bit, f"cap_{bit}") for bit in range(64) if mask >> bit & 1]
+
+
+def cap_mask(names: Iterable[str]) -> int:
+    mask = 0
+    for name in names:
+        mask |= 1 << CAPABILITIES[name]
+    return mask
+
+
+def parse_status(text: str) -> dict[str, int]:
+    """The ``Cap*:`` masks and ``NoNewPrivs`` of a /proc/PID/status text."""
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.startswith("Cap") and value.strip():
+            out[key] = int(value.strip(), 16)
+        elif key == "NoNewPrivs":
+            out[key] = int(value.strip())
+    return out
+
+
+def current_capabilities() -> dict[str, int]:
+    """This thread's CapInh/CapPrm/CapEff/CapBnd/CapAmb masks and NoNewPrivs."""
+    with open("/proc/thread-self/status") as f:
+        return parse_status(f.read())
+
+
+def _normalize(names: Iterable[str]) -> set[str]:
+    out = set()
+    for name in names:
+        full = name.upper() if name.upper().startswith("CAP_") else "CAP_" + name.upper()
+        if full not in CAPABILITIES:
+            raise ValueError(f"unknown capability {name!r}")
+        out.add(full)
+    return out
+
+
+def _kernel_version() -> tuple[int, int]:
+    try:
+        major, minor = platform.release().split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    except ValueError:
+        return (0, 0)
+
+
+def runtime_capabilities(kernel: tuple[int, int] | None = None,
+                         unprivileged_bpf_disabled: int | None = None) -> set[str]:
+    """What the daemon must keep after start-up on this kernel."""
+    keep = set(RUNTIME_CAPABILITIES)
+    kernel = kernel or _kernel_version()
+    if unprivileged_bpf_disabled is None:
+        try:
+            with open("/proc/sys/kernel/unprivileged_bpf_disabled") as f:
+                unprivileged_bpf_disabled = int(f.read())
+        except (OSError, ValueError):
+            unprivileged_bpf_disabled = 1
+    if kernel < (5, 19) and unprivileged_bpf_disabled != 0:
+        keep.add("CAP_BPF")  # map reads through our own fds are checked too
+    return keep
+
+
+# -- dropping --------------------------------------------------------------------
+
+
+def _other_threads() -> list[str]:
+    """Names of the other threads of this process (they would keep their caps)."""
+    me = threading.get_native_id()
+    names = []
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    for tid in tids:
+        if int(tid) == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f"{tid} ({f.read().strip()})")
+        except OSError:
+            continue  # exited meanwhile
+    return names
+
+
+def drop_capabilities(keep: Iterable[str]) -> list[str]:
+    """Reduce this process to ``keep`` (names like ``CAP_SYS_PTRACE``).
+
+    Effective and permitted become ``keep`` ∩ what we have; inheritable and
+    ambient become empty; the bounding set shrinks to ``keep`` where we may
+    change it (CAP_SETPCAP); securebits are locked so that exec cannot
+    regain anything; NO_NEW_PRIVS is set. Returns the names kept (sorted by
+    bit) and logs them. Raises PrivilegeError when the result differs from
+    what was asked, ValueError for an unknown name.
+    """
+    wanted = _normalize(keep)
+    others = _other_threads()
+    if others:
+        raise PrivilegeError(
+            "capabilities are per thread: drop them before starting threads "
+            f"(other threads: {', '.join(others)})")
+    lib = _lib()
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    if lib.capget(ctypes.byref(header), data) != 0:
+        errno = ctypes.get_errno()
+        raise PrivilegeError(errno, f"capget: {os.strerror(errno)}")
+    permitted = data[0].permitted | data[1].permitted << 32
+    effective = data[0].effective | data[1].effective << 32
+    have = set(cap_names(permitted))
+    kept = {name for name in wanted if name in have}
+    missing = wanted - kept
+    if missing:
+        log.warning("cannot keep capabilities we do not have: %s", ", ".join(sorted(missing)))
+    keep_mask = cap_mask(kept)
+    setpcap = 1 << CAPABILITIES["CAP_SETPCAP"]
+
+    # 1. Ambient capabilities would survive exec; clear them (Linux >= 4.3).
+    try:
+        _prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
+    except OSError as exc:
+        if exc.errno != 22:  # EINVAL: kernel without ambient capabilities
+            raise PrivilegeError(exc.errno, f"clearing ambient capabilities: {exc}") from exc
+
+    # 2. Bounding set and securebits need CAP_SETPCAP in the effective set.
+    if permitted & setpcap and not effective & setpcap:
+        _capset(effective | setpcap, permitted, 0)
+        effective |= setpcap
+    can_setpcap = bool(effective & setpcap)
+    undroppable = []
+    for bit in range(cap_last_cap() + 1):
+        if keep_mask >> bit & 1:
+            continue
+        try:
+            if not _prctl(_PR_CAPBSET_READ, bit):
+                continue
+        except OSError:
+            continue  # not a capability this kernel knows
+        if not can_setpcap:
+            undroppable.append(_NAMES.get(bit, f"cap_{bit}"))
+            continue
+        try:
+            _prctl(_PR_CAPBSET_DROP, bit)
+        except OSError as exc:
+            raise PrivilegeError(exc.errno, f"dropping {_NAMES.get(bit, bit)} from the "
+                                 f"bounding set: {exc.strerror}") from exc
+    if undroppable:
+        # Harmless with NO_NEW_PRIVS (exec cannot gain beyond permitted), so
+        # not an error; the unit's CapabilityBoundingSet= normally did it.
+        log.info("bounding set keeps %s (no CAP_SETPCAP to drop them)", ", ".join(undroppable))
+    if can_setpcap:
+        try:
+            bits = _prctl(_PR_GET_SECUREBITS)
+            if bits & _LOCKED_SECUREBITS != _LOCKED_SECUREBITS:
+                _prctl(_PR_SET_SECUREBITS, bits | _LOCKED_SECUREBITS)
+        except OSError as exc:
+            log.info("securebits not locked: %s", exc.strerror)
+
+    # 3. No privilege from exec'ing setuid/file-capability programs, ever.
+    try:
+        _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    except OSError as exc:
+        raise PrivilegeError(exc.errno, f"PR_SET_NO_NEW_PRIVS: {exc.strerror}") from exc
+
+    # 4. The capability sets themselves (drops CAP_SETPCAP unless kept).
+    _capset(keep_mask, keep_mask, 0)
+
+    status = current_capabilities()
+    if status.get("CapEff") != keep_mask or status.get("CapPrm") != keep_mask \
+            or status.get("CapAmb", 0) != 0 or status.get("NoNewPrivs") != 1:
+        raise PrivilegeError(
+            f"capabilities not as requested: CapEff={status.get('CapEff', 0):016x} "
+            f"CapPrm={status.get('CapPrm', 0):016x} wanted {keep_mask:016x}")
+    names = cap_names(keep_mask)
+    log.info("capabilities kept: %s; dropped everything else (bounding set %s, "
+             "no_new_privs)", ", ".join(names) or "none",
+             "reduced" if can_setpcap else "unchanged")
+    return names
+
+
+def _capset(effective: int, permitted: int, inheritable: int) -> None:
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    for i in range(2):
+        data[i].effective = effective >> (32 * i) & 0xFFFFFFFF
+        data[i].permitted = permitted >> (32 * i) & 0xFFFFFFFF
+        data[i].inheritable = inheritable >> (32 * i) & 0xFFFFFFFF
+    if _lib().capset(ctypes.byref(header), data) != 0:
+        errno = ctypes.get_errno()
+        raise PrivilegeError(errno, f"capset: {os.strerror(errno)}")
