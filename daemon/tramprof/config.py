@@ -99,8 +99,8 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "max_kernel_stacks": _range(64, 1 << 22),
     "log_level": lambda v: "" if v in ("debug", "info", "warning", "error")
     else "must be debug, info, warning or error",
-    "group_by": lambda v: "" if v and set(v) <= set(GROUP_LABELS)
-    else f"must be a non-empty list of {', '.join(GROUP_LABELS)}",
+    "group_by": lambda v: "" if v and set(v) <= set(GROUP_LABELS) and len(set(v)) == len(v)
+    else f"must be a non-empty list of distinct labels from {', '.join(GROUP_LABELS)}",
     "stack_series_per_group": _range(1, 10000),
     "function_series_per_group": _range(1, 10000),
     "max_series": _range(10, 10_000_000),

@@ -15,8 +15,9 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tramprof.metadata import ProcessMetadata, read_metadata
 from tramprof.processes import ProcessEvent, ProcessTable
-from tramprof.procinfo import ProcessIdentity, boottime_ns_to_ticks, read_comm
+from tramprof.procinfo import ProcessIdentity, boottime_ns_to_ticks
 from tramprof.symbols.elf import ElfCache
 from tramprof.symbols.errors import ProcessGone, SymbolizationError
 from tramprof.symbols.jit import JitLimits, JitSymbols
@@ -81,6 +82,7 @@ class JitTotals:
 @dataclass
 class ProcessState:
     name: str
+    metadata: ProcessMetadata
     images: dict[int, ProcessImage] = field(default_factory=dict)
 
 
@@ -111,11 +113,8 @@ class ProcessRegistry:
 
     def _state(self, identity: ProcessIdentity, fallback_name: str) -> ProcessState:
         def create() -> ProcessState:
-            try:
-                name = read_comm(identity.pid, self.proc_root)
-            except (OSError, SymbolizationError):
-                name = fallback_name
-            return ProcessState(name=name or fallback_name)
+            metadata = read_metadata(identity.pid, self.proc_root)
+            return ProcessState(name=metadata.comm or fallback_name, metadata=metadata)
 
         return self._table.get_or_create(identity.pid, identity.start_ticks, create)
 
@@ -189,13 +188,16 @@ class ProcessRegistry:
                 totals.add_image(image, live=True)
         return totals
 
+    def metadata(self, pid: int) -> ProcessMetadata | None:
+        """Labels of a process read when it was first seen (it may have exited since)."""
+        state = self._table.get_current(pid)
+        return state.metadata if state else None
+
     def jit_for(self, pid: int) -> JitSymbols | None:
         """The newest image's perf map / jitdump reader of ``pid``, if held."""
-        for identity in self._table.identities():
-            if identity.pid == pid:
-                state = self._table.get(identity.pid, identity.start_ticks)
-                if state and state.images:
-                    return state.images[max(state.images)].jit
+        state = self._table.get_current(pid)
+        if state and state.images:
+            return state.images[max(state.images)].jit
         return None
 
     def defer(self, events: list[ProcessEvent]) -> None:

@@ -588,6 +588,12 @@ class ProcessTable(Generic[T]):
             return None
         return entry.value
 
+    def get_current(self, pid: int) -> T | None:
+        """The state held for ``pid``, whichever process instance it belongs to
+        (there is at most one); never reads /proc."""
+        entry = self._entries.get(pid)
+        return entry.value if entry is not None else None
+
     def get_or_create(self, pid: int, start_ticks: int, factory: Callable[[], T]) -> T:
         """The state of process (pid, start_ticks), built by ``factory`` if needed.
 

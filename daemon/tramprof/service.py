@@ -13,6 +13,7 @@ import signal
 import ssl
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import FrameType
 
 from prometheus_client.registry import CollectorRegistry
@@ -20,6 +21,8 @@ from prometheus_client.registry import CollectorRegistry
 from tramprof.config import Config, ConfigError
 from tramprof.export.collector import ProfilerCollector
 from tramprof.export.http import HttpSecurity, MetricsServer
+from tramprof.export.series import SeriesConfig, SeriesTracker
+from tramprof.metadata import ProcessMetadata
 from tramprof.privileges import (
     PrivilegeError,
     current_capabilities,
@@ -31,6 +34,7 @@ from tramprof.profiler import Profiler
 from tramprof.sampler import SamplerError
 from tramprof.sdnotify import Notifier
 from tramprof.stats import ProfilerStats
+from tramprof.unwind import Stack
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +56,20 @@ class Daemon:
         self._last_drain = time.monotonic()
         self._window_start_ns = time.time_ns()
         self._snapshot = ProfilerStats()
+        self.series = SeriesTracker(series_config(config), self._metadata)
         registry = CollectorRegistry(auto_describe=True)
         registry.register(ProfilerCollector(lambda: self._snapshot))
+        registry.register(self.series)
         security = HttpSecurity.from_files(config.tls_cert_file, config.tls_key_file,
                                            config.basic_auth_user,
                                            config.basic_auth_password_file)
         self.server = MetricsServer(config.listen, registry, self.health,
                                     profiles=self._profiles, index_seconds=config.interval,
                                     security=security)
+
+    def _metadata(self, stack: Stack) -> ProcessMetadata:
+        return self.profiler.registry.metadata(stack.pid) or ProcessMetadata(
+            comm=stack.process, exe="", container_id="", pod_uid="")
 
     def _profiles(self, seconds: float) -> Profile:
         return self.store.last(seconds, self.config.frequency)
@@ -138,6 +148,7 @@ class Daemon:
 
     def drain(self) -> None:
         stacks = self.profiler.collect()
+        self.series.add(stacks, time.monotonic())
         now_ns = time.time_ns()
         self.store.add(Profile(tuple(stacks), self._window_start_ns,
                                now_ns - self._window_start_ns, self.config.frequency))
@@ -163,11 +174,23 @@ class Daemon:
             self.profiler.sampler.set_frequency(new.frequency)
         if new.pids != self.config.pids:
             self.profiler.sampler.set_targets(new.pids or None)
+        try:
+            self.series.reconfigure(series_config(new))
+        except ValueError as exc:
+            log.warning("reload: %s; keeping the running grouping", exc)
+            new = replace(new, group_by=self.config.group_by)
         logging.getLogger().setLevel(new.log_level.upper())
         self.profiler.config = new
         self.config = new
         log.info("configuration reloaded: %d Hz, interval %.1f s, %s", new.frequency,
                  new.interval, f"pids {list(new.pids)}" if new.pids else "all processes")
+
+
+def series_config(config: Config) -> SeriesConfig:
+    return SeriesConfig(group_by=config.group_by, top_stacks=config.stack_series_per_group,
+                        top_functions=config.function_series_per_group,
+                        max_series=config.max_series, max_label_bytes=config.max_label_bytes,
+                        expiry_seconds=config.series_expiry)
 
 
 def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> int:

@@ -54,6 +54,12 @@ def test_collector_values(registry):
 
 
 def test_every_declared_family_is_exported(registry):
+    from tramprof.export.series import SeriesTracker
+    from tramprof.unwind import Stack
+
+    tracker = SeriesTracker()
+    tracker.add([Stack(1, "app", "app", ("main", "work"), 3)], now=0.0)
+    registry.register(tracker)
     exported = {m.name for m in registry.collect()}
     assert exported == {f.name for f in families.ALL}
 

@@ -94,12 +94,38 @@ JIT_BYTES_READ = Family(
     "tramprof_jit_bytes_read", "counter", ("kind",),
     "Bytes read from perf map and jitdump files (incremental: appended bytes only).")
 
+STACK_SAMPLES = Family(
+    "tramprof_stack_samples", "counter", ("process", "stack"),
+    "CPU samples per folded stack (frames root first, joined by ';'), per process group, "
+    "plus the grouping labels (exe, container_id, pod_uid, pid) that are configured. Only "
+    "the hottest stacks of a group get a series of their own; the others are counted in "
+    "stack=\"[other]\", so a group's series add up to its samples. A label over the byte "
+    "cap keeps its leaf end and starts with '…;'.")
+FUNCTION_SAMPLES = Family(
+    "tramprof_function_samples", "counter", ("process", "function", "kind"),
+    "CPU samples per function and process group, plus the configured grouping labels: "
+    "kind=\"self\" counts samples whose leaf frame is the function, kind=\"total\" samples "
+    "with the function anywhere on the stack (once per sample, however deep it recurses). "
+    "Only the functions of a group with the most total samples get series; the self "
+    "samples of the others are counted in function=\"[other]\" (kind=\"self\" only).")
+DROPPED_SERIES = Family(
+    "tramprof_dropped_series", "counter", ("family", "reason"),
+    "Stacks and functions that were folded into [other] instead of getting a series, counted "
+    "once per drain in which they occurred, by family and reason: top_k (their process group "
+    "had its maximum number of series) or budget (the global series budget was used up); "
+    "and labels shortened to the byte cap (label_too_long; they keep a series).")
+SERIES = Family(
+    "tramprof_series", "gauge", ("family",),
+    "Live series of the stack and function families, [other] included; together they stay "
+    "within the configured series budget.")
+
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
     KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS,
     NEW_PROCESS_EVENTS_LOST, DRAINS,
     DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
-    JIT_RECORDS_DROPPED, JIT_BYTES_READ,
+    JIT_RECORDS_DROPPED, JIT_BYTES_READ, STACK_SAMPLES, FUNCTION_SAMPLES, DROPPED_SERIES,
+    SERIES,
 )
 
 
