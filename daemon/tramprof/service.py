@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -19,7 +20,7 @@ from types import FrameType
 from prometheus_client.registry import CollectorRegistry
 
 from tramprof.config import Config, ConfigError
-from tramprof.export.collector import ProfilerCollector
+from tramprof.export.collector import Consistent, ProfilerCollector
 from tramprof.export.http import HttpSecurity, MetricsServer
 from tramprof.export.series import SeriesConfig, SeriesTracker
 from tramprof.metadata import ProcessMetadata
@@ -57,9 +58,10 @@ class Daemon:
         self._window_start_ns = time.time_ns()
         self._snapshot = ProfilerStats()
         self.series = SeriesTracker(series_config(config), self._metadata)
+        self._publish_lock = threading.Lock()
         registry = CollectorRegistry(auto_describe=True)
-        registry.register(ProfilerCollector(lambda: self._snapshot))
-        registry.register(self.series)
+        registry.register(Consistent([ProfilerCollector(lambda: self._snapshot), self.series],
+                                     self._publish_lock))
         security = HttpSecurity.from_files(config.tls_cert_file, config.tls_key_file,
                                            config.basic_auth_user,
                                            config.basic_auth_password_file)
@@ -148,12 +150,14 @@ class Daemon:
 
     def drain(self) -> None:
         stacks = self.profiler.collect()
-        self.series.add(stacks, time.monotonic())
+        snapshot = self.profiler.stats.copy()
+        with self._publish_lock:
+            self.series.add(stacks, time.monotonic())
+            self._snapshot = snapshot
         now_ns = time.time_ns()
         self.store.add(Profile(tuple(stacks), self._window_start_ns,
                                now_ns - self._window_start_ns, self.config.frequency))
         self._window_start_ns = now_ns
-        self._snapshot = self.profiler.stats.copy()
         self._last_drain = time.monotonic()
 
     def reload(self) -> None:

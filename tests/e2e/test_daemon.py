@@ -182,3 +182,28 @@ def test_sighup_changes_frequency_without_losing_counters(daemon, targets, start
     assert 0.5 * 499 <= fast <= 1.25 * 499, fast
     assert after > before  # the counter went on from where it was
     assert d.proc.poll() is None
+
+
+def test_series_budget_holds_and_accounts_for_every_sample(daemon, targets, start_target,
+                                                           tmp_path):
+    """Many distinct stacks: the series stay within budget, and the stack series
+    ([other] included) add up exactly to the samples of the process."""
+    target = start_target(str(targets / "recurse"), "60", "120")
+    config = tmp_path / "budget.toml"
+    config.write_text(f"interval = 1\nfrequency = 499\npids = [{target.pid}]\n"
+                      "max_series = 60\nstack_series_per_group = 40\n")
+    d = daemon("--config", str(config))
+    metrics = d.wait_for_drains(4)
+    stacks = {labels: v for (name, labels), v in metrics.items()
+              if name == "tramprof_stack_samples_total"}
+    functions = {labels: v for (name, labels), v in metrics.items()
+                 if name == "tramprof_function_samples_total"}
+    assert len(stacks) + len(functions) <= 60
+    assert any(dict(labels)["stack"] == "[other]" for labels in stacks)
+    total = value(metrics, "tramprof_samples_total", process="recurse")
+    assert total > 1000
+    assert sum(v for labels, v in stacks.items()
+               if dict(labels)["process"] == "recurse") == total
+    dropped = sum(v for (name, _), v in metrics.items()
+                  if name == "tramprof_dropped_series_total")
+    assert dropped > 0

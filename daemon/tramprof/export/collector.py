@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -133,3 +134,18 @@ _JIT_DROP_COUNTERS = frozenset((
     "malformed", "long_lines", "dropped_entries", "bad_records", "corrupt",
     "unknown_records", "debug_lines_dropped", "unwind_dropped",
 ))
+
+
+class Consistent(Collector):
+    """Collects several collectors under the lock their data source updates
+    under, so one scrape never sees half of a drain (samples_total and the
+    stack series always add up)."""
+
+    def __init__(self, collectors: list[Collector], lock: threading.Lock) -> None:
+        self._collectors = collectors
+        self._lock = lock
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            metrics = [m for c in self._collectors for m in c.collect()]
+        yield from metrics
