@@ -17,7 +17,6 @@ import urllib.request
 from pathlib import Path
 
 from prometheus_client.registry import CollectorRegistry
-
 from tramprof.export.collector import Consistent, ProfilerCollector
 from tramprof.export.http import MetricsServer
 from tramprof.export.series import SeriesConfig, SeriesTracker
