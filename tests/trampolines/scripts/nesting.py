@@ -1,0 +1,82 @@
+"""Profiling target: known Python call chains, spinning in pure Python.
+
+    nesting.py chain SECONDS      outer -> middle -> inner -> leaf
+    nesting.py recurse SECONDS N  descend() N deep, spinning at the bottom
+    nesting.py threads SECONDS    thread A in alpha_work, thread B in beta_work
+    nesting.py zlib SECONDS       compress_loop -> zlib.compress (native leaf)
+
+Prints "ready" once the work is running (threads started).
+"""
+
+import sys
+import threading
+import time
+import zlib
+
+
+def leaf(until):
+    x = 0
+    while time.monotonic() < until:
+        for i in range(10000):
+            x = (x * 31 + i) & 0xFFFF
+    return x
+
+
+def inner(until):
+    return leaf(until)
+
+
+def middle(until):
+    return inner(until)
+
+
+def outer(until):
+    return middle(until)
+
+
+def descend(depth, until):
+    if depth > 1:
+        return descend(depth - 1, until)
+    return leaf(until)
+
+
+def alpha_work(until):
+    return leaf(until)
+
+
+def beta_work(until):
+    return leaf(until)
+
+
+def compress_loop(until):
+    data = bytes(range(256)) * 4096
+    n = 0
+    while time.monotonic() < until:
+        n += len(zlib.compress(data, 9))
+    return n
+
+
+def main():
+    mode, seconds = sys.argv[1], float(sys.argv[2])
+    until = time.monotonic() + seconds
+    if mode == "threads":
+        threads = [threading.Thread(target=alpha_work, args=(until,), name="alpha"),
+                   threading.Thread(target=beta_work, args=(until,), name="beta")]
+        for t in threads:
+            t.start()
+        print("ready", flush=True)
+        for t in threads:
+            t.join()
+        return
+    print("ready", flush=True)
+    if mode == "chain":
+        outer(until)
+    elif mode == "recurse":
+        sys.setrecursionlimit(10000)
+        descend(int(sys.argv[3]), until)
+    elif mode == "zlib":
+        compress_loop(until)
+
+
+if __name__ == "__main__":
+    main()

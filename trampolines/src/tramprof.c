@@ -1,0 +1,841 @@
+/*
+ * tramprof-trampolines runtime: a PEP 523 eval-frame hook that routes every
+ * Python frame through a per-code-object machine-code stub. Each stub pushes
+ * a {prev, self} record onto a per-thread chain whose head lives in a TLS
+ * slot at a fixed offset from the thread pointer, so an out-of-process
+ * unwinder (BPF) can recover the Python stack without frame pointers.
+ *
+ * Concurrency: every piece of mutable state is touched with the GIL held
+ * (the hook runs with it; exported functions take it), except the chain head,
+ * which is per thread. Stubs and arenas are never unmapped or reused.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#if PY_VERSION_HEX >= 0x030B0000
+#  ifndef Py_BUILD_CORE
+#    define Py_BUILD_CORE 1
+#    define TRAMPROF_UNDEF_BUILD_CORE 1
+#  endif
+#  if PY_VERSION_HEX >= 0x030E0000
+#    include "internal/pycore_interpframe.h"  /* 3.14+: struct + PyStackRef helpers */
+#  else
+#    include "internal/pycore_frame.h"
+#  endif
+#  ifdef TRAMPROF_UNDEF_BUILD_CORE
+#    undef Py_BUILD_CORE
+#  endif
+#else
+#  include <frameobject.h>      /* PyFrameObject.f_code (3.9, 3.10) */
+#endif
+
+#include <errno.h>
+#include <inttypes.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "tramprof.h"
+
+#ifndef TRAMPROF_VERSION
+#  define TRAMPROF_VERSION "0.0.0"
+#endif
+
+#if PY_VERSION_HEX < 0x03090000
+#  error "tramprof-trampolines needs CPython 3.9 or newer"
+#endif
+
+#if PY_VERSION_HEX >= 0x030B0000
+typedef struct _PyInterpreterFrame tramprof_frame;
+#else
+typedef PyFrameObject tramprof_frame;
+#endif
+
+#if PY_VERSION_HEX >= 0x030C0000
+#  define tramprof_code_set_extra PyUnstable_Code_SetExtra
+#  define tramprof_request_extra_index PyUnstable_Eval_RequestCodeExtraIndex
+#else
+#  define tramprof_code_set_extra _PyCode_SetExtra
+#  define tramprof_request_extra_index _PyEval_RequestCodeExtraIndex
+#endif
+
+typedef PyObject *(*tramprof_eval_fn)(PyThreadState *, tramprof_frame *, int);
+typedef PyObject *(*tramprof_stub_fn)(PyThreadState *, tramprof_frame *, int, tramprof_eval_fn);
+
+/* ------------------------------------------------------------------------
+ * Stub template (x86-64). Offsets are part of the ABI (ABI.md).
+ *
+ *   0  f3 0f 1e fa             endbr64
+ *   4  55                      push   rbp
+ *   5  48 89 e5                mov    rbp, rsp
+ *   8  48 83 ec 10             sub    rsp, 16          ; record at [rbp-16]
+ *  12  64 48 8b 04 25 T32      mov    rax, fs:[T]      ; T = TLS offset (disp32)
+ *  21  48 89 45 f0             mov    [rbp-16], rax    ; record.prev = head
+ *  25  48 8d 05 e0 ff ff ff    lea    rax, [rip-32]    ; this stub's start
+ *  32  48 89 45 f8             mov    [rbp-8], rax     ; record.self
+ *  36  48 8d 45 f0             lea    rax, [rbp-16]
+ *  40  64 48 89 04 25 T32      mov    fs:[T], rax      ; head = &record
+ *  49  ff d1                   call   rcx              ; evaluator(tstate, frame, throwflag)
+ *  51  48 8b 4d f0             mov    rcx, [rbp-16]    ; <- return address
+ *  55  64 48 89 0c 25 T32      mov    fs:[T], rcx      ; head = record.prev
+ *  64  c9                      leave
+ *  65  c3                      ret
+ *  66  cc ...                  int3 padding up to the stride
+ * ---------------------------------------------------------------------- */
+#if defined(__x86_64__)
+#  define TRAMPROF_ARCH 62
+static const unsigned char tramprof_template[] = {
+    0xf3, 0x0f, 0x1e, 0xfa,
+    0x55,
+    0x48, 0x89, 0xe5,
+    0x48, 0x83, 0xec, 0x10,
+    0x64, 0x48, 0x8b, 0x04, 0x25, 0, 0, 0, 0,
+    0x48, 0x89, 0x45, 0xf0,
+    0x48, 0x8d, 0x05, 0xe0, 0xff, 0xff, 0xff,
+    0x48, 0x89, 0x45, 0xf8,
+    0x48, 0x8d, 0x45, 0xf0,
+    0x64, 0x48, 0x89, 0x04, 0x25, 0, 0, 0, 0,
+    0xff, 0xd1,
+    0x48, 0x8b, 0x4d, 0xf0,
+    0x64, 0x48, 0x89, 0x0c, 0x25, 0, 0, 0, 0,
+    0xc9,
+    0xc3,
+};
+static const size_t tramprof_tls_patch[] = {17, 45, 60};
+#  define TRAMPROF_RETURN_OFFSET 51
+#  define TRAMPROF_STRIDE 80
+#  define TRAMPROF_RECORD_FP_OFFSET 16
+#  define TRAMPROF_FILL 0xcc
+#elif defined(__aarch64__)
+#  define TRAMPROF_ARCH 183
+#else
+#  define TRAMPROF_ARCH 0
+#endif
+
+#define TRAMPROF_ARENA_SIZE (64 * 1024)
+#define TRAMPROF_MAX_ARENAS 4096
+
+/* The chain head. initial-exec: a fixed offset from the thread pointer that
+ * every thread shares, readable from outside as fsbase + tls_offset. */
+static __thread void *tramprof_chain_head __attribute__((tls_model("initial-exec")));
+
+static struct tramprof_arena_range tramprof_arenas[TRAMPROF_MAX_ARENAS];
+
+__attribute__((visibility("default"), used))
+struct tramprof_descriptor tramprof_descriptor = {
+    .magic = {'T', 'R', 'A', 'M', 'P', 'R', 'O', 'F'},
+    .abi_version = TRAMPROF_ABI_VERSION,
+    .arch = TRAMPROF_ARCH,
+#if defined(__x86_64__)
+    .stub_size = sizeof(tramprof_template),
+    .stub_stride = TRAMPROF_STRIDE,
+    .stub_return_offset = TRAMPROF_RETURN_OFFSET,
+    .record_prev_offset = 0,
+    .record_self_offset = 8,
+    .record_fp_offset = TRAMPROF_RECORD_FP_OFFSET,
+#endif
+    .arena_capacity = TRAMPROF_MAX_ARENAS,
+    .runtime_version = "tramprof-trampolines " TRAMPROF_VERSION,
+};
+
+/* Mirror of CPython's _PyCodeObjectExtra (unchanged 3.6 .. 3.15). */
+typedef struct {
+    Py_ssize_t ce_size;
+    void *ce_extras[1];
+} tramprof_code_extra;
+
+static Py_ssize_t tramprof_extra_index = -1;
+static PyInterpreterState *tramprof_interp;
+static int tramprof_mode_value;         /* 0 inactive, else TRAMPROF_MODE_* */
+static unsigned char *tramprof_cur_arena;
+static size_t tramprof_cur_used;        /* stubs handed out in the current arena */
+static int tramprof_map_fd = -1;
+static char tramprof_map_path[64];
+static char **tramprof_lines;           /* perf map line of every stub, for fork */
+static size_t tramprof_nlines, tramprof_cap_lines;
+
+static void
+tramprof_seterr(char *err, size_t errlen, const char *fmt, ...)
+{
+    va_list ap;
+    if (err == NULL || errlen == 0)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static void
+tramprof_bump_generation(void)
+{
+    __atomic_add_fetch(&tramprof_descriptor.generation, 1, __ATOMIC_RELEASE);
+}
+
+static inline PyCodeObject *
+tramprof_frame_code(tramprof_frame *frame)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    /* 3.13: PyObject *f_executable; 3.14+: _PyStackRef f_executable. */
+    PyObject *executable;
+#  if PY_VERSION_HEX >= 0x030E0000
+    executable = PyStackRef_AsPyObjectBorrow(frame->f_executable);
+#  else
+    executable = frame->f_executable;
+#  endif
+    if (executable == NULL || !PyCode_Check(executable))
+        return NULL;
+    return (PyCodeObject *)executable;
+#else
+    return frame->f_code;
+#endif
+}
+
+static inline void *
+tramprof_code_get_stub(PyCodeObject *co)
+{
+#ifdef Py_GIL_DISABLED
+    void *value = NULL;
+    if (PyUnstable_Code_GetExtra((PyObject *)co, tramprof_extra_index, &value) < 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return value;
+#else
+    /* Direct read of co_extra: the GIL is held, the layout is stable. */
+    tramprof_code_extra *extra = (tramprof_code_extra *)co->co_extra;
+    if (extra != NULL && tramprof_extra_index < extra->ce_size)
+        return extra->ce_extras[tramprof_extra_index];
+    return NULL;
+#endif
+}
+
+/* ------------------------------------------------------------------------
+ * Perf map
+ * ---------------------------------------------------------------------- */
+static int
+tramprof_write_all(int fd, const char *buf, size_t len)
+{
+    while (len > 0) {
+        ssize_t n = write(fd, buf, len);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        buf += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+static int
+tramprof_open_map(char *err, size_t errlen)
+{
+    snprintf(tramprof_map_path, sizeof(tramprof_map_path), "/tmp/perf-%ld.map", (long)getpid());
+    int fd = open(tramprof_map_path, O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        tramprof_seterr(err, errlen, "cannot open perf map %s: %s", tramprof_map_path,
+                        strerror(errno));
+        return -1;
+    }
+    tramprof_map_fd = fd;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------
+ * jitdump (perf's /tmp/jit-<pid>.dump) with .eh_frame unwind info per stub
+ * ---------------------------------------------------------------------- */
+#define TRAMPROF_JIT_MAGIC 0x4A695444u
+#define TRAMPROF_JIT_CODE_LOAD 0
+#define TRAMPROF_JIT_UNWINDING_INFO 4
+#define TRAMPROF_ALIGN8(x) (((x) + 7u) & ~(size_t)7u)
+
+static int tramprof_jit_fd = -1;
+static char tramprof_jit_path[64];
+static uint64_t tramprof_jit_index;
+static unsigned char tramprof_unwind[128];   /* .eh_frame followed by .eh_frame_hdr */
+static size_t tramprof_unwind_size, tramprof_eh_hdr_size;
+
+static uint64_t
+tramprof_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void put_u8(unsigned char **p, uint8_t v) { *(*p)++ = v; }
+static void put_u32(unsigned char **p, uint32_t v) { memcpy(*p, &v, 4); *p += 4; }
+static void put_i32(unsigned char **p, int32_t v) { memcpy(*p, &v, 4); *p += 4; }
+static void put_u64(unsigned char **p, uint64_t v) { memcpy(*p, &v, 8); *p += 8; }
+
+#if defined(__x86_64__)
+/* CFI of the stub (ABI.md section 3), in the layout perf's genelf gives a
+ * jitted ELF: .text at T, .eh_frame at T + ALIGN8(code size), .eh_frame_hdr
+ * right after .eh_frame. Pointers are pc-relative (.eh_frame) or relative to
+ * .eh_frame_hdr (its table), so one blob serves every stub. */
+static void
+tramprof_build_unwind(size_t code_size)
+{
+    unsigned char *p = tramprof_unwind, *cie, *fde, *len, *hdr;
+    size_t text_gap = TRAMPROF_ALIGN8(code_size);
+
+    /* CIE */
+    cie = p;
+    put_u32(&p, 0);                 /* length, patched */
+    put_u32(&p, 0);                 /* CIE id */
+    put_u8(&p, 1);                  /* version */
+    put_u8(&p, 'z'); put_u8(&p, 'R'); put_u8(&p, 0);
+    put_u8(&p, 1);                  /* code alignment factor */
+    put_u8(&p, 0x78);               /* data alignment factor: sleb128(-8) */
+    put_u8(&p, 16);                 /* return address register: rip */
+    put_u8(&p, 1);                  /* augmentation data length */
+    put_u8(&p, 0x1b);               /* FDE pointers: DW_EH_PE_pcrel | sdata4 */
+    put_u8(&p, 0x0c); put_u8(&p, 7); put_u8(&p, 8);   /* def_cfa rsp+8 */
+    put_u8(&p, 0x90); put_u8(&p, 1);                  /* offset rip, cfa-8 */
+    while ((p - cie) % 8)
+        put_u8(&p, 0);              /* DW_CFA_nop */
+    len = cie;
+    put_u32(&len, (uint32_t)(p - cie - 4));
+
+    /* FDE */
+    fde = p;
+    put_u32(&p, 0);                 /* length, patched */
+    put_u32(&p, (uint32_t)(p - cie));                 /* CIE pointer */
+    put_i32(&p, -(int32_t)(text_gap + (size_t)(p - tramprof_unwind)));  /* pc_begin */
+    put_u32(&p, (uint32_t)code_size);                 /* pc_range */
+    put_u8(&p, 0);                  /* augmentation data length */
+    put_u8(&p, 0x40 | 5);           /* advance 5: after push rbp */
+    put_u8(&p, 0x0e); put_u8(&p, 16);                 /* def_cfa_offset 16 */
+    put_u8(&p, 0x80 | 6); put_u8(&p, 2);              /* offset rbp, cfa-16 */
+    put_u8(&p, 0x40 | 3);           /* advance 3 (8): after mov rbp, rsp */
+    put_u8(&p, 0x0d); put_u8(&p, 6);                  /* def_cfa_register rbp */
+    put_u8(&p, 0x40 | 57);          /* advance 57 (65): after leave */
+    put_u8(&p, 0x0c); put_u8(&p, 7); put_u8(&p, 8);   /* def_cfa rsp+8 */
+    put_u8(&p, 0xc0 | 6);           /* restore rbp */
+    while ((p - fde) % 8)
+        put_u8(&p, 0);
+    len = fde;
+    put_u32(&len, (uint32_t)(p - fde - 4));
+    put_u32(&p, 0);                 /* terminator */
+    size_t eh_frame_size = (size_t)(p - tramprof_unwind);
+
+    /* .eh_frame_hdr */
+    hdr = p;
+    put_u8(&p, 1);                  /* version */
+    put_u8(&p, 0x1b);               /* eh_frame_ptr: pcrel sdata4 */
+    put_u8(&p, 0x03);               /* fde_count: udata4 */
+    put_u8(&p, 0x3b);               /* table: datarel sdata4 */
+    put_i32(&p, -(int32_t)(eh_frame_size + 4));
+    put_u32(&p, 1);
+    put_i32(&p, -(int32_t)(text_gap + eh_frame_size));               /* initial location */
+    put_i32(&p, (int32_t)(fde - tramprof_unwind) - (int32_t)eh_frame_size);  /* FDE */
+    tramprof_eh_hdr_size = (size_t)(p - hdr);
+    tramprof_unwind_size = (size_t)(p - tramprof_unwind);
+}
+#endif
+
+/* UNWINDING_INFO then CODE_LOAD for one stub, in one write(2). */
+static void
+tramprof_jit_emit(uintptr_t addr, const char *name)
+{
+    if (tramprof_jit_fd < 0)
+        return;
+    size_t code_size = tramprof_descriptor.stub_size;
+    size_t name_len = strlen(name) + 1;
+    size_t unwind_total = 16 + 24 + TRAMPROF_ALIGN8(tramprof_unwind_size);
+    size_t load_total = 16 + 40 + name_len + code_size;
+    unsigned char *buf = calloc(1, unwind_total + load_total);
+    if (buf == NULL)
+        return;
+    unsigned char *p = buf;
+    uint64_t now = tramprof_now_ns();
+
+    put_u32(&p, TRAMPROF_JIT_UNWINDING_INFO);
+    put_u32(&p, (uint32_t)unwind_total);
+    put_u64(&p, now);
+    put_u64(&p, tramprof_unwind_size);
+    put_u64(&p, tramprof_eh_hdr_size);
+    put_u64(&p, TRAMPROF_ALIGN8(tramprof_unwind_size));
+    memcpy(p, tramprof_unwind, tramprof_unwind_size);
+    p = buf + unwind_total;
+
+    put_u32(&p, TRAMPROF_JIT_CODE_LOAD);
+    put_u32(&p, (uint32_t)load_total);
+    put_u64(&p, now);
+    put_u32(&p, (uint32_t)getpid());
+    put_u32(&p, (uint32_t)syscall(SYS_gettid));
+    put_u64(&p, addr);              /* vma */
+    put_u64(&p, addr);              /* code_addr */
+    put_u64(&p, code_size);
+    put_u64(&p, tramprof_jit_index++);
+    memcpy(p, name, name_len);
+    p += name_len;
+    memcpy(p, (const void *)addr, code_size);
+
+    (void)tramprof_write_all(tramprof_jit_fd, (const char *)buf, unwind_total + load_total);
+    free(buf);
+}
+
+static const char *
+tramprof_line_name(const char *line)
+{
+    const char *sp = strchr(line, ' ');
+    return sp ? strchr(sp + 1, ' ') : NULL;
+}
+
+/* Opens /tmp/jit-<pid>.dump, writes the header, maps its first page
+ * executable (perf notices the file through that mmap event) and emits
+ * every stub made so far. */
+static int
+tramprof_open_jitdump(char *err, size_t errlen)
+{
+#if defined(__x86_64__)
+    tramprof_build_unwind(tramprof_descriptor.stub_size);
+    snprintf(tramprof_jit_path, sizeof(tramprof_jit_path), "/tmp/jit-%ld.dump", (long)getpid());
+    int fd = open(tramprof_jit_path, O_CREAT | O_TRUNC | O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        tramprof_seterr(err, errlen, "cannot open %s: %s", tramprof_jit_path, strerror(errno));
+        return -1;
+    }
+    unsigned char header[40], *p = header;
+    put_u32(&p, TRAMPROF_JIT_MAGIC);
+    put_u32(&p, 1);                 /* version */
+    put_u32(&p, sizeof(header));
+    put_u32(&p, TRAMPROF_ARCH);     /* elf_mach */
+    put_u32(&p, 0);
+    put_u32(&p, (uint32_t)getpid());
+    put_u64(&p, tramprof_now_ns());
+    put_u64(&p, 0);                 /* flags */
+    if (tramprof_write_all(fd, (const char *)header, sizeof(header)) != 0) {
+        tramprof_seterr(err, errlen, "writing %s: %s", tramprof_jit_path, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    void *marker = mmap(NULL, (size_t)sysconf(_SC_PAGESIZE), PROT_READ | PROT_EXEC,
+                        MAP_PRIVATE, fd, 0);
+    if (marker == MAP_FAILED) {
+        tramprof_seterr(err, errlen, "mapping %s: %s", tramprof_jit_path, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    /* The marker mapping is deliberately kept for the life of the process. */
+    tramprof_jit_fd = fd;
+    tramprof_jit_index = 0;
+    for (size_t i = 0; i < tramprof_nlines; i++) {
+        const char *name = tramprof_line_name(tramprof_lines[i]);
+        if (name == NULL)
+            continue;
+        char *copy = strdup(name + 1);
+        if (copy == NULL)
+            continue;
+        copy[strcspn(copy, "\n")] = '\0';
+        tramprof_jit_emit((uintptr_t)strtoull(tramprof_lines[i], NULL, 16), copy);
+        free(copy);
+    }
+    return 0;
+#else
+    tramprof_seterr(err, errlen, "jitdump needs stubs, which exist only on x86-64");
+    return -1;
+#endif
+}
+
+/* Remember the line (for fork children) and write it, one write(2) per line;
+ * the same stub goes to the jitdump when that is on. */
+static void
+tramprof_emit_stub(uintptr_t addr, const char *qualname, const char *filename)
+{
+    int n = snprintf(NULL, 0, "%" PRIxPTR " %x py::%s:%s\n", addr,
+                     (unsigned)tramprof_descriptor.stub_size, qualname, filename);
+    if (n <= 0)
+        return;
+    char *line = malloc((size_t)n + 1);
+    if (line == NULL)
+        return;
+    snprintf(line, (size_t)n + 1, "%" PRIxPTR " %x py::%s:%s\n", addr,
+             (unsigned)tramprof_descriptor.stub_size, qualname, filename);
+    if (tramprof_nlines == tramprof_cap_lines) {
+        size_t cap = tramprof_cap_lines ? tramprof_cap_lines * 2 : 1024;
+        char **grown = realloc(tramprof_lines, cap * sizeof(*grown));
+        if (grown == NULL) {
+            free(line);
+            return;
+        }
+        tramprof_lines = grown;
+        tramprof_cap_lines = cap;
+    }
+    tramprof_lines[tramprof_nlines++] = line;
+    if (tramprof_map_fd >= 0)
+        (void)tramprof_write_all(tramprof_map_fd, line, (size_t)n);
+    if (tramprof_jit_fd >= 0) {
+        line[n - 1] = '\0';
+        tramprof_jit_emit(addr, tramprof_line_name(line) + 1);
+        line[n - 1] = '\n';
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * Arenas
+ * ---------------------------------------------------------------------- */
+#if defined(__x86_64__)
+static int
+tramprof_new_arena(void)
+{
+    uint32_t count = tramprof_descriptor.arena_count;
+    if (count >= TRAMPROF_MAX_ARENAS)
+        return -1;
+    unsigned char *arena = mmap(NULL, TRAMPROF_ARENA_SIZE, PROT_READ | PROT_WRITE,
+                                MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (arena == MAP_FAILED)
+        return -1;
+    int32_t tls = (int32_t)tramprof_descriptor.tls_offset;
+    size_t nstubs = TRAMPROF_ARENA_SIZE / TRAMPROF_STRIDE;
+    memset(arena, TRAMPROF_FILL, TRAMPROF_ARENA_SIZE);
+    for (size_t i = 0; i < nstubs; i++) {
+        unsigned char *stub = arena + i * TRAMPROF_STRIDE;
+        memcpy(stub, tramprof_template, sizeof(tramprof_template));
+        for (size_t p = 0; p < sizeof(tramprof_tls_patch) / sizeof(tramprof_tls_patch[0]); p++)
+            memcpy(stub + tramprof_tls_patch[p], &tls, sizeof(tls));
+    }
+    if (mprotect(arena, TRAMPROF_ARENA_SIZE, PROT_READ | PROT_EXEC) != 0) {
+        /* Never unmap: keep the invariant that arenas live forever. It is
+         * not registered, so nothing will ever point into it. */
+        return -1;
+    }
+#ifdef PR_SET_VMA
+    /* Shows as [anon:tramprof-trampolines] in /proc/PID/maps (best effort). */
+    (void)prctl(PR_SET_VMA, PR_SET_VMA_ANON_NAME, (unsigned long)arena, TRAMPROF_ARENA_SIZE,
+                (unsigned long)"tramprof-trampolines");
+#endif
+    tramprof_arenas[count].start = (uint64_t)(uintptr_t)arena;
+    tramprof_arenas[count].end = (uint64_t)(uintptr_t)(arena + TRAMPROF_ARENA_SIZE);
+    __atomic_store_n(&tramprof_descriptor.arena_count, count + 1, __ATOMIC_RELEASE);
+    tramprof_bump_generation();
+    tramprof_cur_arena = arena;
+    tramprof_cur_used = 0;
+    return 0;
+}
+#endif
+
+static const char *
+tramprof_utf8(PyObject *s, const char *fallback)
+{
+    if (s == NULL || !PyUnicode_Check(s))
+        return fallback;
+    const char *u = PyUnicode_AsUTF8(s);
+    if (u == NULL) {
+        PyErr_Clear();
+        return fallback;
+    }
+    return u;
+}
+
+/* Slow path: first call of a code object. Never leaves an exception set and
+ * never disturbs the one that may be pending (throwflag). */
+static tramprof_stub_fn
+tramprof_assign_stub(PyCodeObject *co)
+{
+#if defined(__x86_64__)
+    if (tramprof_cur_arena == NULL ||
+        tramprof_cur_used >= TRAMPROF_ARENA_SIZE / TRAMPROF_STRIDE) {
+        if (tramprof_new_arena() != 0)
+            return NULL;
+    }
+    unsigned char *stub = tramprof_cur_arena + tramprof_cur_used * TRAMPROF_STRIDE;
+
+    /* Park a pending exception (throwflag, generator.throw()) meanwhile. */
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *pending = PyErr_GetRaisedException();
+#  define TRAMPROF_RESTORE_PENDING() PyErr_SetRaisedException(pending)
+#else
+    PyObject *exc_type, *exc_value, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+#  define TRAMPROF_RESTORE_PENDING() PyErr_Restore(exc_type, exc_value, exc_tb)
+#endif
+    if (tramprof_code_set_extra((PyObject *)co, tramprof_extra_index, stub) != 0) {
+        PyErr_Clear();
+        TRAMPROF_RESTORE_PENDING();
+        return NULL;
+    }
+    tramprof_cur_used++;
+    __atomic_add_fetch(&tramprof_descriptor.stub_count, 1, __ATOMIC_RELEASE);
+#if PY_VERSION_HEX >= 0x030B0000
+    const char *qualname = tramprof_utf8(co->co_qualname, "<unknown>");
+#else
+    const char *qualname = tramprof_utf8(co->co_name, "<unknown>");
+#endif
+    const char *filename = tramprof_utf8(co->co_filename, "<unknown>");
+    tramprof_emit_stub((uintptr_t)stub, qualname, filename);
+    TRAMPROF_RESTORE_PENDING();
+#undef TRAMPROF_RESTORE_PENDING
+    return (tramprof_stub_fn)(void *)stub;
+#else
+    (void)co;
+    return NULL;
+#endif
+}
+
+/* The PEP 523 hook. */
+static PyObject *
+tramprof_eval(PyThreadState *tstate, tramprof_frame *frame, int throwflag)
+{
+    if (tramprof_mode_value == TRAMPROF_MODE_STUBS) {
+        PyCodeObject *co = tramprof_frame_code(frame);
+        if (co != NULL) {
+            tramprof_stub_fn stub = (tramprof_stub_fn)tramprof_code_get_stub(co);
+            if (stub == NULL)
+                stub = tramprof_assign_stub(co);
+            if (stub != NULL)
+                return stub(tstate, frame, throwflag, _PyEval_EvalFrameDefault);
+        }
+    }
+    return _PyEval_EvalFrameDefault(tstate, frame, throwflag);
+}
+
+/* ------------------------------------------------------------------------
+ * Exported API (called through cffi, which releases the GIL: take it back).
+ * ---------------------------------------------------------------------- */
+static int
+tramprof_activate_locked(int mode, int jitdump, char *err, size_t errlen)
+{
+    if (mode != TRAMPROF_MODE_STUBS && mode != TRAMPROF_MODE_HOOK_ONLY) {
+        tramprof_seterr(err, errlen, "unknown mode %d", mode);
+        return -1;
+    }
+#ifdef Py_GIL_DISABLED
+    tramprof_seterr(err, errlen, "free-threaded CPython builds are not supported");
+    return -1;
+#endif
+#if !defined(__x86_64__)
+    if (mode == TRAMPROF_MODE_STUBS) {
+        tramprof_seterr(err, errlen,
+                        "tramprof-trampolines has no stubs for this architecture "
+                        "(only x86-64 is supported)");
+        return -1;
+    }
+#endif
+    PyInterpreterState *interp = PyThreadState_Get()->interp;
+    _PyFrameEvalFunction current = _PyInterpreterState_GetEvalFrameFunc(interp);
+    if (current == tramprof_eval) {
+        if (tramprof_mode_value == mode)
+            return 0;
+        tramprof_seterr(err, errlen, "already active in another mode; deactivate() first");
+        return -1;
+    }
+    if (current != _PyEval_EvalFrameDefault) {
+        tramprof_seterr(err, errlen,
+                        "another eval-frame function (PEP 523) is installed, e.g. by a "
+                        "debugger, a JIT or CPython's -X perf; refusing to replace it");
+        return -1;
+    }
+    if (tramprof_interp != NULL && tramprof_interp != interp) {
+        tramprof_seterr(err, errlen, "only one interpreter per process is supported");
+        return -1;
+    }
+    if (tramprof_extra_index < 0) {
+        Py_ssize_t index = tramprof_request_extra_index(NULL);
+        if (index < 0) {
+            PyErr_Clear();
+            tramprof_seterr(err, errlen, "no free co_extra slot (too many users)");
+            return -1;
+        }
+        tramprof_extra_index = index;
+    }
+#if defined(__x86_64__)
+    if (tramprof_descriptor.tls_offset < INT32_MIN || tramprof_descriptor.tls_offset > INT32_MAX) {
+        tramprof_seterr(err, errlen, "TLS slot out of disp32 range (offset %lld)",
+                        (long long)tramprof_descriptor.tls_offset);
+        return -1;
+    }
+#endif
+    tramprof_interp = interp;
+
+#if defined(__x86_64__)
+    if (mode == TRAMPROF_MODE_STUBS && tramprof_map_fd < 0) {
+        if (tramprof_open_map(err, errlen) != 0)
+            return -1;
+        /* A previous activation in this process already made stubs: their
+         * lines are in this same file. */
+    }
+    if (mode == TRAMPROF_MODE_STUBS && jitdump && tramprof_jit_fd < 0) {
+        if (tramprof_open_jitdump(err, errlen) != 0)
+            return -1;
+    }
+#endif
+    tramprof_descriptor.pid = (uint32_t)getpid();
+    tramprof_mode_value = mode;
+    if (mode == TRAMPROF_MODE_STUBS)
+        __atomic_store_n(&tramprof_descriptor.state, 1, __ATOMIC_RELEASE);
+    tramprof_bump_generation();
+    _PyInterpreterState_SetEvalFrameFunc(interp, tramprof_eval);
+    return 0;
+}
+
+int
+tramprof_activate(int mode, int jitdump, char *err, size_t errlen)
+{
+    PyGILState_STATE gil = PyGILState_Ensure();
+    int rc = tramprof_activate_locked(mode, jitdump, err, errlen);
+    PyGILState_Release(gil);
+    return rc;
+}
+
+int
+tramprof_deactivate(char *err, size_t errlen)
+{
+    int rc = 0;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyInterpreterState *interp = PyThreadState_Get()->interp;
+    _PyFrameEvalFunction current = _PyInterpreterState_GetEvalFrameFunc(interp);
+    if (current == tramprof_eval) {
+        _PyInterpreterState_SetEvalFrameFunc(interp, _PyEval_EvalFrameDefault);
+        if (tramprof_descriptor.state == 1)
+            __atomic_store_n(&tramprof_descriptor.state, 2, __ATOMIC_RELEASE);
+        tramprof_bump_generation();
+    } else if (tramprof_mode_value != 0) {
+        tramprof_seterr(err, errlen,
+                        "the eval-frame function was replaced by someone else; leaving it");
+        rc = -1;
+    }
+    /* Frames already running keep returning through their stubs: nothing
+     * is freed. */
+    tramprof_mode_value = 0;
+    PyGILState_Release(gil);
+    return rc;
+}
+
+int
+tramprof_is_active(void)
+{
+    PyGILState_STATE gil = PyGILState_Ensure();
+    int active = tramprof_mode_value != 0 && tramprof_interp != NULL &&
+        _PyInterpreterState_GetEvalFrameFunc(tramprof_interp) == tramprof_eval;
+    PyGILState_Release(gil);
+    return active;
+}
+
+int
+tramprof_mode(void)
+{
+    return tramprof_mode_value;
+}
+
+/* In a fork child (os.fork): a new perf map for the new pid, holding every
+ * stub the child inherited. */
+int
+tramprof_after_fork_child(char *err, size_t errlen)
+{
+    int rc = 0;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    if (tramprof_map_fd >= 0) {
+        close(tramprof_map_fd);
+        tramprof_map_fd = -1;
+        if (tramprof_open_map(err, errlen) == 0) {
+            for (size_t i = 0; i < tramprof_nlines; i++) {
+                if (tramprof_write_all(tramprof_map_fd, tramprof_lines[i],
+                                       strlen(tramprof_lines[i])) != 0) {
+                    tramprof_seterr(err, errlen, "writing %s: %s", tramprof_map_path,
+                                    strerror(errno));
+                    rc = -1;
+                    break;
+                }
+            }
+        } else {
+            rc = -1;
+        }
+    }
+    if (tramprof_jit_fd >= 0) {
+        close(tramprof_jit_fd);
+        tramprof_jit_fd = -1;
+        char jit_err[256];
+        if (tramprof_open_jitdump(jit_err, sizeof(jit_err)) != 0 && rc == 0) {
+            tramprof_seterr(err, errlen, "%s", jit_err);
+            rc = -1;
+        }
+    }
+    if (tramprof_descriptor.state != 0 || tramprof_mode_value != 0) {
+        tramprof_descriptor.pid = (uint32_t)getpid();
+        tramprof_bump_generation();
+    }
+    PyGILState_Release(gil);
+    return rc;
+}
+
+/* Stub addresses on the current thread's chain, innermost first. */
+int
+tramprof_debug_chain(uint64_t *out, int max)
+{
+    int n = 0;
+    uintptr_t record = (uintptr_t)tramprof_chain_head;
+    while (record != 0 && n < max) {
+        out[n++] = *(uint64_t *)(record + tramprof_descriptor.record_self_offset);
+        record = *(uintptr_t *)(record + tramprof_descriptor.record_prev_offset);
+    }
+    return n;
+}
+
+/* The stub assigned to a code object (its address as a Python id()), 0 if none. */
+uint64_t
+tramprof_stub_for_code(void *code)
+{
+    uint64_t stub = 0;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject *co = (PyObject *)code;
+    if (tramprof_extra_index >= 0 && PyCode_Check(co))
+        stub = (uint64_t)(uintptr_t)tramprof_code_get_stub((PyCodeObject *)co);
+    PyGILState_Release(gil);
+    return stub;
+}
+
+int
+tramprof_jitdump_path(char *out, size_t outlen)
+{
+    if (tramprof_jit_fd < 0)
+        return -1;
+    snprintf(out, outlen, "%s", tramprof_jit_path);
+    return 0;
+}
+
+int
+tramprof_perf_map_path(char *out, size_t outlen)
+{
+    if (tramprof_map_fd < 0)
+        return -1;
+    snprintf(out, outlen, "%s", tramprof_map_path);
+    return 0;
+}
+
+/* The thread pointer. __builtin_thread_pointer needs GCC 11 on x86-64; the
+ * x86-64 TLS ABI guarantees that the word at %fs:0 is the thread pointer. */
+static void *
+tramprof_thread_pointer(void)
+{
+    void *tp;
+#if defined(__x86_64__)
+    __asm__("mov %%fs:0, %0" : "=r"(tp));
+#elif defined(__aarch64__)
+    __asm__("mrs %0, tpidr_el0" : "=r"(tp));
+#else
+    tp = __builtin_thread_pointer();
+#endif
+    return tp;
+}
+
+/* Runs when the extension is loaded (dlopen): the descriptor is complete
+ * before anyone activates, so a reader can find it at once. */
+__attribute__((constructor)) static void
+tramprof_init_descriptor(void)
+{
+    tramprof_descriptor.tls_offset =
+        (int64_t)((char *)&tramprof_chain_head - (char *)tramprof_thread_pointer());
+    tramprof_descriptor.arenas = (uint64_t)(uintptr_t)tramprof_arenas;
+    tramprof_descriptor.pid = (uint32_t)getpid();
+    snprintf(tramprof_descriptor.python_version, sizeof(tramprof_descriptor.python_version),
+             "%s", PY_VERSION);
+}
