@@ -6,8 +6,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tramprof-installed
 TEST_STAMP := $(VENV)/.tramprof-test-deps
-# Only the tests need these: a real Prometheus server and a browser.
-TEST_PACKAGES := prometheus chromium
+# Only the tests need these: a real Prometheus server, a browser, the tools
+# that build and exercise the trampoline runtime (cffi, headers, CPython's
+# own test suite, perf) and debootstrap for the other interpreters' roots.
+PYVER := $(shell $(PYTHON_SYSTEM) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+TEST_PACKAGES := prometheus chromium python3-cffi python3-dev libpython$(PYVER)-testsuite \
+	debootstrap linux-perf binutils openssl
 PYTEST_ARGS ?=
 
 .PHONY: setup run test test-unit test-privileged lint bench clean
@@ -40,7 +44,7 @@ test-privileged: setup $(TEST_STAMP)
 	$(BIN)/python -m pytest tests/bpf tests/e2e $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check daemon tests benchmarks
+	$(BIN)/ruff check daemon tests benchmarks trampolines
 	$(BIN)/mypy
 
 bench: setup

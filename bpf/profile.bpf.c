@@ -30,6 +30,12 @@
 #ifndef TP_MAX_SEEN
 #define TP_MAX_SEEN 16384
 #endif
+#ifndef TP_MAX_CHAIN_PROCS
+#define TP_MAX_CHAIN_PROCS 4096
+#endif
+#ifndef TP_MAX_STUB_PAGES
+#define TP_MAX_STUB_PAGES 65536
+#endif
 #ifndef TP_MAX_TARGETS
 #define TP_MAX_TARGETS 4096
 #endif
@@ -55,6 +61,8 @@ BPF_PERCPU_ARRAY(scratch, struct tp_user_stack, 1);
 BPF_HASH(counts, struct tp_count_key, __u64, TP_MAX_KEYS);
 BPF_F_TABLE("hash", struct tp_ustack_key, struct tp_user_stack, ustacks, TP_MAX_USTACKS,
             BPF_F_NO_PREALLOC);
+BPF_HASH(chain_procs, __u32, struct tp_chain_proc, TP_MAX_CHAIN_PROCS);
+BPF_HASH(stub_pages, struct tp_stub_page, __u64, TP_MAX_STUB_PAGES);
 BPF_TABLE("lru_hash", struct tp_process_seen, __u8, seen_processes, TP_MAX_SEEN);
 BPF_PERF_OUTPUT(new_processes);
 BPF_STACK_TRACE(kstacks0, TP_MAX_KSTACKS);
@@ -149,7 +157,73 @@ static __always_inline void walk_user(struct tp_user_stack *st, __u64 ip, __u64 
         st->flags |= TP_USTACK_TRUNCATED;
     st->nr = n;
     st->check = check;
-    *hash = h | 1; /* never 0: 0 means "no user stack" */
+    *hash = h;
+}
+
+/* Trampoline chain walk (processes running our runtime, trampolines/ABI.md):
+ * the thread's chain head sits at a fixed offset from its thread pointer
+ * (fs base); each record {prev, self} lies in a stub's frame. Every record is
+ * validated: above the previous one on the stack, and `self` an exact stub
+ * start inside one of the process's arenas. No frame pointers needed. */
+static __always_inline void walk_chain(struct tp_user_stack *st, __u32 tgid, void *task,
+                                       __u64 *hash, __u64 *check)
+{
+    st->nr_chain = 0;
+    struct tp_chain_proc *proc = chain_procs.lookup(&tgid);
+    if (!proc || proc->stub_stride == 0)
+        return;
+    __u64 fsbase = read_u64(task + TP_OFF_TASK_FSBASE);
+    __u64 head = 0;
+    if (bpf_probe_read_user(&head, sizeof(head), (void *)(fsbase + proc->tls_offset))) {
+        st->flags |= TP_CHAIN_INVALID;
+        return;
+    }
+    __u64 h = *hash, c = *check, below = 0;
+    __u32 n = 0;
+    struct tp_stub_page page = {.tgid = tgid};
+    __u64 last_page = 0, last_arena = 0; /* recursion reuses one stub: skip lookups */
+
+#pragma unroll 1
+    for (int i = 0; i < TP_MAX_CHAIN; i++) {
+        if (head == 0)
+            break;
+        if (head <= below || (head & 7)) {
+            st->flags |= TP_CHAIN_INVALID;
+            break;
+        }
+        __u64 record[2];
+        if (bpf_probe_read_user(record, sizeof(record), (void *)head)) {
+            st->flags |= TP_CHAIN_INVALID;
+            break;
+        }
+        __u64 stub = record[1];
+        if ((stub & ~0xFFFULL) != last_page) {
+            page.page = stub & ~0xFFFULL;
+            __u64 *arena = stub_pages.lookup(&page);
+            if (!arena) {
+                st->flags |= TP_CHAIN_INVALID;
+                break;
+            }
+            last_page = page.page;
+            last_arena = *arena;
+        }
+        if (stub < last_arena || (stub - last_arena) % proc->stub_stride) {
+            st->flags |= TP_CHAIN_INVALID;
+            break;
+        }
+        st->chain[i & (TP_MAX_CHAIN - 1)].ip = stub;
+        st->chain[i & (TP_MAX_CHAIN - 1)].sp = head;
+        h = mix_a(h, stub);
+        c = mix_b(c, stub);
+        n = i + 1;
+        below = head;
+        head = record[0];
+    }
+    if (n >= TP_MAX_CHAIN && head != 0)
+        st->flags |= TP_CHAIN_TRUNCATED;
+    st->nr_chain = n;
+    *hash = h;
+    *check = c;
 }
 
 int on_sample(struct bpf_perf_event_data *ctx)
@@ -212,6 +286,16 @@ int on_sample(struct bpf_perf_event_data *ctx)
             return 0;
         __u64 hash = 0;
         walk_user(st, ip, sp, fp, &hash);
+        __u64 check = st->check;
+        walk_chain(st, tgid, task, &hash, &check);
+        st->check = check;
+        hash |= 1; /* never 0: 0 means "no user stack" */
+        if (st->nr_chain)
+            bump(TP_CNT_CHAIN_SAMPLES);
+        if (st->flags & TP_CHAIN_TRUNCATED)
+            bump(TP_CNT_CHAIN_TRUNCATED);
+        if (st->flags & TP_CHAIN_INVALID)
+            bump(TP_CNT_CHAIN_INVALID);
         if (st->flags & TP_USTACK_FAULT)
             bump(TP_CNT_USTACK_FAULT);
         if (st->flags & TP_USTACK_TRUNCATED)
@@ -220,7 +304,8 @@ int on_sample(struct bpf_perf_event_data *ctx)
         struct tp_ustack_key skey = {.hash = hash, .buffer = buffer};
         struct tp_user_stack *stored = ustacks.lookup(&skey);
         if (stored) {
-            if (stored->check != st->check || stored->nr != st->nr) {
+            if (stored->check != st->check || stored->nr != st->nr ||
+                stored->nr_chain != st->nr_chain) {
                 bump(TP_CNT_LOST_USTACK_COLLISION);
                 return 0;
             }

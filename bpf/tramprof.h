@@ -15,10 +15,15 @@
  * negative value is a lost kernel stack: -errno of bpf_get_stackid(). */
 #define TP_NO_KSTACK (-1)
 
+/* Deepest chain of trampoline frames recorded (one per Python frame). */
+#define TP_MAX_CHAIN 256
+
 /* Bits of tp_user_stack.flags. */
 #define TP_USTACK_TRUNCATED 0x1   /* depth limit reached with frames left */
 #define TP_USTACK_FAULT 0x2       /* a frame record could not be read */
 #define TP_USTACK_NO_USER 0x4     /* kernel thread or no user registers */
+#define TP_CHAIN_TRUNCATED 0x8    /* more trampoline frames than TP_MAX_CHAIN */
+#define TP_CHAIN_INVALID 0x10     /* the chain held a record that failed validation */
 
 /* Indexes of the per-CPU counters array (cumulative, never reset). */
 enum tp_counter {
@@ -34,6 +39,9 @@ enum tp_counter {
     TP_CNT_USTACK_FAULT,         /* user walk stopped on an unreadable frame */
     TP_CNT_USTACK_TRUNCATED,     /* user walk hit TP_MAX_FRAMES */
     TP_CNT_KERNEL_THREAD,        /* sample in a kernel thread */
+    TP_CNT_CHAIN_SAMPLES,        /* samples unwound through a trampoline chain */
+    TP_CNT_CHAIN_TRUNCATED,      /* chain longer than TP_MAX_CHAIN */
+    TP_CNT_CHAIN_INVALID,        /* chain walk stopped at an invalid record */
     TP_CNT_MAX
 };
 
@@ -52,6 +60,25 @@ struct tp_user_stack {
     __u32 flags;
     __u64 check;   /* second, independent hash: detects key collisions */
     struct tp_frame frames[TP_MAX_FRAMES];
+    /* Trampoline frames, innermost first: ip = stub start, sp = the
+     * record's stack address (orders them among the native frames). */
+    __u32 nr_chain;
+    __u32 pad;
+    struct tp_frame chain[TP_MAX_CHAIN];
+};
+
+/* A process running the trampoline runtime (see trampolines/ABI.md). */
+struct tp_chain_proc {
+    __s64 tls_offset;     /* chain head's address minus the thread pointer */
+    __u32 stub_stride;    /* distance between stubs in an arena */
+    __u32 record_self;    /* offset of record.self in a record */
+};
+
+/* One page of a trampoline arena of one process -> the arena's start. */
+struct tp_stub_page {
+    __u32 tgid;
+    __u32 pad;
+    __u64 page;
 };
 
 struct tp_sample_key {

@@ -11,11 +11,14 @@ import ctypes
 import enum
 
 MAX_FRAMES = 127
+MAX_CHAIN = 256
 COMM_LEN = 16
 
 USTACK_TRUNCATED = 0x1
 USTACK_FAULT = 0x2
 USTACK_NO_USER = 0x4
+CHAIN_TRUNCATED = 0x8
+CHAIN_INVALID = 0x10
 
 
 class Counter(enum.IntEnum):
@@ -33,6 +36,9 @@ class Counter(enum.IntEnum):
     USTACK_FAULT = 9
     USTACK_TRUNCATED = 10
     KERNEL_THREAD = 11
+    CHAIN_SAMPLES = 12
+    CHAIN_TRUNCATED = 13
+    CHAIN_INVALID = 14
 
 
 COUNTER_COUNT = len(Counter)
@@ -52,7 +58,23 @@ class UserStack(ctypes.Structure):
         ("flags", ctypes.c_uint32),
         ("check", ctypes.c_uint64),
         ("frames", Frame * MAX_FRAMES),
+        ("nr_chain", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("chain", Frame * MAX_CHAIN),
     ]
+
+
+class ChainProc(ctypes.Structure):
+    """A process running the trampoline runtime (value of ``chain_procs``)."""
+
+    _fields_ = [("tls_offset", ctypes.c_int64), ("stub_stride", ctypes.c_uint32),
+                ("record_self", ctypes.c_uint32)]
+
+
+class StubPage(ctypes.Structure):
+    """Key of ``stub_pages``: one page of a process's trampoline arena."""
+
+    _fields_ = [("tgid", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("page", ctypes.c_uint64)]
 
 
 class SampleKey(ctypes.Structure):

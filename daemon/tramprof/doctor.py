@@ -9,6 +9,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tramprof.btf import VMLINUX_BTF, BtfError, KernelBtf
 
@@ -167,11 +168,35 @@ def check_process(pid: int, proc_root: str = "/proc") -> list[Check]:
     checks.append(Check(f"process {pid} ({comm})", True,
                         f"{len(files)} executable file mappings, {len(anon)} anonymous "
                         "executable mappings (JIT code or trampolines)"))
-    checks.append(Check("unwinding mode", True,
-                        "fp: frame-pointer walk (frames of code built without frame "
-                        "pointers are skipped)"))
+    checks.append(check_unwinding_mode(pid, maps))
     checks.extend(check_jit_files(pid, proc_root, expect=bool(anon)))
     return checks
+
+
+def check_unwinding_mode(pid: int, maps: list[Any]) -> Check:
+    from tramprof.trampoline_descriptor import EXTENSION_RE
+
+    runtime = next((m.path for m in maps if EXTENSION_RE.search(m.path)), None)
+    fp = Check("unwinding mode", True, "fp: frame-pointer walk (frames of code built "
+               "without frame pointers are skipped)")
+    if runtime is None:
+        return fp
+    from tramprof.trampoline_descriptor import read_descriptor
+
+    try:
+        d = read_descriptor(pid)
+    except Exception as exc:
+        return Check("unwinding mode", False, f"fp: cannot read the trampoline descriptor: "
+                     f"{exc}", "reading another process's memory needs CAP_SYS_PTRACE",
+                     warning=True)
+    if not d.active:
+        return Check("unwinding mode", True, "fp: the trampoline runtime is loaded but not "
+                     "active (call tramprof_trampolines.activate() or set "
+                     "TRAMPROF_TRAMPOLINES=1)")
+    return Check("unwinding mode", True,
+                 f"chain: trampoline runtime {d.runtime_version} (ABI {d.abi_version}, "
+                 f"Python {d.python_version}), {d.stub_count} stubs in {len(d.arenas)} "
+                 f"arenas, chain head at thread pointer {d.tls_offset:+d}")
 
 
 _REFUSAL_FIX = {

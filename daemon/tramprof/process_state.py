@@ -141,14 +141,14 @@ class ProcessRegistry:
                 self._retired.add_image(state.images.pop(min(state.images)), live=False)
         return state.name, image
 
-    def warm(self, tgid: int, start_boottime_ns: int, exec_id: int) -> None:
+    def warm(self, tgid: int, start_boottime_ns: int, exec_id: int) -> ProcessImage | None:
         """Build a process image's symbolizer right away (it was just sampled
         for the first time and may not live until the next drain)."""
         identity = self.identity(tgid, start_boottime_ns)
         try:
             state = self._state(identity, "")
         except ProcessGone:
-            return
+            return None
         if exec_id not in state.images:
             image = self._image(identity.pid, start_boottime_ns)
             if image.symbolizer is not None:
@@ -156,6 +156,7 @@ class ProcessRegistry:
             state.images[exec_id] = image
             while len(state.images) > MAX_IMAGES:
                 self._retired.add_image(state.images.pop(min(state.images)), live=False)
+        return state.images.get(exec_id)
 
     def _image(self, pid: int, start_boottime_ns: int) -> ProcessImage:
         try:

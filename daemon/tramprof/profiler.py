@@ -10,6 +10,7 @@ import time
 from collections import Counter
 
 from tramprof.bpf_layout import Counter as BpfCounter
+from tramprof.chain import ChainProcesses
 from tramprof.config import Config
 from tramprof.process_state import ProcessRegistry
 from tramprof.processes import open_event_source
@@ -30,12 +31,14 @@ class Profiler:
         self.registry = ProcessRegistry(proc_root=config.proc_root,
                                         failures=self.stats.symbolization_failures)
         self.events = open_event_source(log)
+        self.chains = ChainProcesses(self.sampler)
 
     def start(self) -> None:
-        self.sampler.start(self.config.pids or None)
-        # Parse kallsyms now rather than in the first drain (~0.5 s of CPU).
+        # Parse kallsyms now (~0.5 s of CPU), before sampling starts: new
+        # processes must be looked at within milliseconds of their first sample.
         if not self.kernel.available:
             log.warning("kernel frames stay unnamed: %s", self.kernel.unavailable_reason)
+        self.sampler.start(self.config.pids or None)
 
     def event_fds(self) -> list[int]:
         """Descriptors to wait on: lifecycle events and newly sampled processes."""
@@ -58,7 +61,9 @@ class Profiler:
         the next drain)."""
         for tgid, start, exec_id in self.sampler.new_processes():
             try:
-                self.registry.warm(tgid, start, exec_id)
+                image = self.registry.warm(tgid, start, exec_id)
+                if image is not None and image.symbolizer is not None:
+                    self.chains.consider(tgid, image.symbolizer.mappings)
             except Exception:
                 log.exception("cannot prepare symbols of pid %d", tgid)
         events = self.events.read_events()
@@ -67,6 +72,7 @@ class Profiler:
         self.stats.process_events["overrun"] = self.events.overruns
         if self.events.take_resync_request():
             self.registry.resync()
+        self.chains.refresh({identity.pid for identity in self.registry.identities()})
         self.registry.defer(events)
 
     def collect(self) -> list[Stack]:
@@ -88,6 +94,7 @@ class Profiler:
         # A process whose main thread exits first sends no process-level exit
         # event; a /proc check after every drain catches it.
         self.registry.resync()
+        self.chains.refresh({identity.pid for identity in self.registry.identities()})
         for stack in stacks:
             self.stats.samples_by_process[stack.process] += stack.count
         self.stats.bpf_counters = self.sampler.counters()
@@ -113,7 +120,8 @@ class Profiler:
                                                  sample.exec_id, sample.comm)
             user = image.resolve if image else None
         frames = stack_frames(sample, user, self.kernel.resolve,
-                              self.stats.symbolization_failures)
+                              self.stats.symbolization_failures,
+                              self.chains.get(sample.tgid))
         return Stack(pid=sample.tgid, process=process, comm=sample.comm, frames=frames,
                      count=sample.count)
 

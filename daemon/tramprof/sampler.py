@@ -38,12 +38,17 @@ _BTF_FIELDS = {
     "TASK_START_BOOTTIME": "task_struct.start_boottime",
     "TASK_SELF_EXEC_ID": "task_struct.self_exec_id",
     "TASK_FLAGS": "task_struct.flags",
+    "TASK_FSBASE": "task_struct.thread.fsbase",
     "PT_REGS_IP": "pt_regs.ip",
     "PT_REGS_SP": "pt_regs.sp",
     "PT_REGS_BP": "pt_regs.bp",
 }
 
 EVENTS = ("auto", "cycles", "cpu-clock")
+
+
+# (native frames, trampoline chain, flags) of one stored user stack.
+_UserStack = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int]
 
 
 class SamplerError(RuntimeError):
@@ -77,6 +82,9 @@ class RawSample:
     user_frames: tuple[tuple[int, int], ...]  # (ip, stack address), leaf first
     user_flags: int
     kernel_ips: tuple[int, ...]  # leaf first
+    # Trampoline frames from the runtime's chain, innermost first: (stub
+    # start, record address). Empty unless the process runs the runtime.
+    chain: tuple[tuple[int, int], ...]
     kernel_error: int  # 0, or -errno when the kernel part was lost
     count: int
 
@@ -320,17 +328,18 @@ class Sampler:
 
         entries = [(bytes(k), k.sample, int(v.value)) for k, v in counts.items()
                    if k.buffer == old]
-        user_cache: dict[int, tuple[tuple[tuple[int, int], ...], int]] = {}
+        user_cache: dict[int, _UserStack] = {}
         kernel_cache: dict[int, tuple[int, ...]] = {}
         samples = []
         for _raw, key, count in entries:
             user: tuple[tuple[int, int], ...] = ()
+            chain: tuple[tuple[int, int], ...] = ()
             flags = bpf_layout.USTACK_NO_USER
             if key.ustack_hash:
                 if key.ustack_hash not in user_cache:
                     user_cache[key.ustack_hash] = self._read_user_stack(ustacks, key.ustack_hash,
                                                                         old)
-                user, flags = user_cache[key.ustack_hash]
+                user, chain, flags = user_cache[key.ustack_hash]
             kernel: tuple[int, ...] = ()
             kernel_error = 0
             if key.kstack_id >= 0:
@@ -342,7 +351,7 @@ class Sampler:
             samples.append(RawSample(
                 tgid=key.tgid, start_boottime_ns=key.start_boottime, exec_id=key.exec_id,
                 comm=key.comm.decode(errors="replace"), user_frames=user, user_flags=flags,
-                kernel_ips=kernel, kernel_error=kernel_error, count=count))
+                kernel_ips=kernel, kernel_error=kernel_error, chain=chain, count=count))
 
         for raw, _key, _count in entries:
             with contextlib.suppress(KeyError):
@@ -356,15 +365,41 @@ class Sampler:
         return samples
 
     @staticmethod
-    def _read_user_stack(table: Any, stack_hash: int,
-                         buffer: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    def _read_user_stack(table: Any, stack_hash: int, buffer: int) -> _UserStack:
         try:
             stack = table[bpf_layout.UserStackKey(hash=stack_hash, buffer=buffer)]
         except KeyError:
-            return (), bpf_layout.USTACK_FAULT
+            return (), (), bpf_layout.USTACK_FAULT
         n = min(int(stack.nr), bpf_layout.MAX_FRAMES)
         frames = tuple((int(stack.frames[i].ip), int(stack.frames[i].sp)) for i in range(n))
-        return frames, int(stack.flags)
+        n = min(int(stack.nr_chain), bpf_layout.MAX_CHAIN)
+        chain = tuple((int(stack.chain[i].ip), int(stack.chain[i].sp)) for i in range(n))
+        return frames, chain, int(stack.flags)
+
+    def set_chain_process(self, tgid: int, tls_offset: int, stub_stride: int,
+                          arenas: Iterable[tuple[int, int]]) -> None:
+        """Let the program walk ``tgid``'s trampoline chain (trampolines/ABI.md)."""
+        procs = self._bpf.get_table(b"chain_procs", keytype=ctypes.c_uint32,
+                                    leaftype=bpf_layout.ChainProc)
+        pages = self._bpf.get_table(b"stub_pages", keytype=bpf_layout.StubPage,
+                                    leaftype=ctypes.c_uint64)
+        for start, end in arenas:
+            for page in range(start & ~0xFFF, end, 0x1000):
+                pages[bpf_layout.StubPage(tgid=tgid, page=page)] = ctypes.c_uint64(start)
+        procs[ctypes.c_uint32(tgid)] = bpf_layout.ChainProc(
+            tls_offset=tls_offset, stub_stride=stub_stride, record_self=8)
+
+    def clear_chain_process(self, tgid: int, arenas: Iterable[tuple[int, int]]) -> None:
+        procs = self._bpf.get_table(b"chain_procs", keytype=ctypes.c_uint32,
+                                    leaftype=bpf_layout.ChainProc)
+        pages = self._bpf.get_table(b"stub_pages", keytype=bpf_layout.StubPage,
+                                    leaftype=ctypes.c_uint64)
+        with contextlib.suppress(KeyError):
+            del procs[ctypes.c_uint32(tgid)]
+        for start, end in arenas:
+            for page in range(start & ~0xFFF, end, 0x1000):
+                with contextlib.suppress(KeyError):
+                    del pages[bpf_layout.StubPage(tgid=tgid, page=page)]
 
     def close(self) -> None:
         """Detach every perf event and unload the program and its maps."""

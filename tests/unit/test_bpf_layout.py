@@ -18,6 +18,8 @@ STRUCTS = {
     "tp_user_stack": bpf_layout.UserStack,
     "tp_sample_key": bpf_layout.SampleKey,
     "tp_process_seen": bpf_layout.ProcessSeen,
+    "tp_chain_proc": bpf_layout.ChainProc,
+    "tp_stub_page": bpf_layout.StubPage,
 }
 KEYS_IN_PROGRAM = {"tp_count_key": bpf_layout.CountKey, "tp_ustack_key": bpf_layout.UserStackKey}
 
@@ -34,6 +36,8 @@ def _c_layout(tmp_path, header_code: str, structs: dict[str, type]) -> dict[str,
         f"{header_code}\nint main(void) {{\n" + "\n".join(lines) +
         '\nprintf("TP_MAX_FRAMES %d\\nTP_COMM_LEN %d\\nTP_CNT_MAX %d\\n",'
         " TP_MAX_FRAMES, TP_COMM_LEN, TP_CNT_MAX);\n"
+        'printf("TP_MAX_CHAIN %d\\nTP_CHAIN_TRUNCATED %d\\nTP_CHAIN_INVALID %d\\n",'
+        " TP_MAX_CHAIN, TP_CHAIN_TRUNCATED, TP_CHAIN_INVALID);\n"
         '\nprintf("TP_USTACK_TRUNCATED %d\\nTP_USTACK_FAULT %d\\nTP_USTACK_NO_USER %d\\n",'
         " TP_USTACK_TRUNCATED, TP_USTACK_FAULT, TP_USTACK_NO_USER);\nreturn 0;\n}\n")
     exe = tmp_path / "layout"
@@ -60,6 +64,9 @@ def test_shared_structs_match(tmp_path):
     assert layout["TP_USTACK_TRUNCATED"] == bpf_layout.USTACK_TRUNCATED
     assert layout["TP_USTACK_FAULT"] == bpf_layout.USTACK_FAULT
     assert layout["TP_USTACK_NO_USER"] == bpf_layout.USTACK_NO_USER
+    assert layout["TP_MAX_CHAIN"] == bpf_layout.MAX_CHAIN
+    assert layout["TP_CHAIN_TRUNCATED"] == bpf_layout.CHAIN_TRUNCATED
+    assert layout["TP_CHAIN_INVALID"] == bpf_layout.CHAIN_INVALID
 
 
 def test_counter_enum_matches_header():

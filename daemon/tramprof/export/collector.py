@@ -96,6 +96,18 @@ class ProfilerCollector(Collector):
 
         yield from _jit_families(stats)
 
+        modes = _family(fam.UNWIND_SAMPLES)
+        chain = bpf.get(BpfCounter.CHAIN_SAMPLES, 0)
+        modes.add_metric(["chain"], chain)
+        modes.add_metric(["fp"], max(0, bpf.get(BpfCounter.RECORDED, 0) - chain
+                                      - bpf.get(BpfCounter.KERNEL_THREAD, 0)))
+        yield modes
+        for f, counter in ((fam.PYTHON_FRAMES_TRUNCATED, BpfCounter.CHAIN_TRUNCATED),
+                           (fam.CHAIN_INVALID, BpfCounter.CHAIN_INVALID)):
+            family = _family(f)
+            family.add_metric([], bpf.get(counter, 0))
+            yield family
+
         if stats.bpf_run_time_ns is not None and stats.bpf_run_count is not None:
             run_seconds = _family(fam.BPF_RUN_SECONDS)
             run_seconds.add_metric([], stats.bpf_run_time_ns / 1e9)

@@ -119,12 +119,26 @@ SERIES = Family(
     "Live series of the stack and function families, [other] included; together they stay "
     "within the configured series budget.")
 
+UNWIND_SAMPLES = Family(
+    "tramprof_unwind_samples", "counter", ("mode",),
+    "User stacks by unwinding mode: chain (through the trampoline runtime's frame "
+    "chain) or fp (frame pointers only).")
+PYTHON_FRAMES_TRUNCATED = Family(
+    "tramprof_python_stacks_truncated", "counter", (),
+    "Samples with more trampoline (Python) frames than the walk keeps; the root side "
+    "is cut.")
+CHAIN_INVALID = Family(
+    "tramprof_chain_walks_stopped", "counter", (),
+    "Trampoline chain walks that stopped at a record failing validation (a torn read of "
+    "a running thread, or a stack-switching library); the frames before it are kept.")
+
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
     KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS,
     NEW_PROCESS_EVENTS_LOST, DRAINS,
     DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
-    JIT_RECORDS_DROPPED, JIT_BYTES_READ, STACK_SAMPLES, FUNCTION_SAMPLES, DROPPED_SERIES,
+    JIT_RECORDS_DROPPED, JIT_BYTES_READ, UNWIND_SAMPLES, PYTHON_FRAMES_TRUNCATED,
+    CHAIN_INVALID, STACK_SAMPLES, FUNCTION_SAMPLES, DROPPED_SERIES,
     SERIES,
 )
 

@@ -1,0 +1,220 @@
+"""Read a process's trampoline-runtime descriptor from outside it.
+
+Finds the runtime extension in ``/proc/PID/maps``, looks the exported symbol
+up in the extension's ELF ``.dynsym`` (read through ``/proc/PID/map_files`` or
+``/proc/PID/root``, so it also works for processes in containers or chroots),
+and reads the struct and the arena table from ``/proc/PID/mem``. Needs the
+right to read the target's memory (same uid with ptrace access, or root).
+
+The layout is ABI version 1 of ``trampolines/ABI.md``; this module and the
+runtime's ``src/tramprof.h`` must change together (a test checks them
+against each other through cffi).
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
+
+from tramprof.symbols.errors import SymbolizationError
+from tramprof.symbols.procmaps import Mapping, read_maps
+
+MAGIC = b"TRAMPROF"
+ABI_VERSION = 1
+SYMBOL = "tramprof_descriptor"
+#: Matches the runtime extension's path in /proc/PID/maps.
+EXTENSION_RE = re.compile(r"/tramprof_trampolines/_runtime[^/]*\.so(?: \(deleted\))?$")
+
+# struct tramprof_descriptor, little-endian, 136 bytes.
+_LAYOUT = struct.Struct("<8s6Iq2IiIQ2I2Q32s16s")
+DESCRIPTOR_SIZE = _LAYOUT.size
+FIELDS = ("magic", "abi_version", "arch", "stub_size", "stub_stride", "stub_return_offset",
+          "state", "tls_offset", "record_prev_offset", "record_self_offset",
+          "record_fp_offset", "pid", "arenas_address", "arena_count", "arena_capacity",
+          "stub_count", "generation", "runtime_version", "python_version")
+STATES = {0: "inactive", 1: "active", 2: "deactivated"}
+ARCHES = {62: "x86_64", 183: "aarch64"}
+
+
+class DescriptorError(Exception):
+    """The process has no (readable, valid) tramprof descriptor."""
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    pid: int                      # the process it was read from
+    address: int                  # where the struct lives in that process
+    extension: str                # path of the runtime extension (as mapped)
+    abi_version: int
+    arch: int                     # ELF e_machine
+    stub_size: int
+    stub_stride: int
+    stub_return_offset: int
+    state: int
+    tls_offset: int
+    record_prev_offset: int
+    record_self_offset: int
+    record_fp_offset: int
+    writer_pid: int
+    arenas_address: int
+    arena_capacity: int
+    stub_count: int
+    generation: int
+    runtime_version: str
+    python_version: str
+    arenas: tuple[tuple[int, int], ...]
+
+    @property
+    def active(self) -> bool:
+        return self.state == 1
+
+    def in_arena(self, address: int) -> bool:
+        return any(start <= address < end for start, end in self.arenas)
+
+    def stub_start(self, address: int) -> int | None:
+        """Start of the stub containing *address*, None if outside every arena."""
+        for start, end in self.arenas:
+            if start <= address < end:
+                return start + (address - start) // self.stub_stride * self.stub_stride
+        return None
+
+    def is_stub_return(self, address: int) -> bool:
+        """True if *address* is the return address of a stub's evaluator call."""
+        start = self.stub_start(address)
+        return start is not None and address - start == self.stub_return_offset
+
+
+def _dynsym_value(f: BinaryIO, name: str) -> tuple[int, int] | None:
+    """(st_value of ``name`` in .dynsym, p_vaddr of the PT_LOAD at file offset 0)."""
+    try:
+        elf = ELFFile(f)
+        dynsym = elf.get_section_by_name(".dynsym")
+        symbols = dynsym.get_symbol_by_name(name) if isinstance(dynsym, SymbolTableSection) \
+            else None
+        base = next((seg["p_vaddr"] for seg in elf.iter_segments()
+                     if seg["p_type"] == "PT_LOAD" and seg["p_offset"] == 0), None)
+    except (ELFError, struct.error, ValueError) as exc:
+        raise DescriptorError(f"the runtime extension is not a readable ELF file: {exc}") from exc
+    if not symbols or base is None:
+        return None
+    return int(symbols[0]["st_value"]), int(base)
+
+
+def _open_extension(pid: int, mapping: Mapping, proc_root: str) -> BinaryIO:
+    """map_files pins the mapped inode; the path under /proc/PID/root works in
+    containers and chroots."""
+    candidates = [f"{proc_root}/{pid}/map_files/{mapping.start:x}-{mapping.end:x}"]
+    if not mapping.is_deleted:
+        candidates.append(f"{proc_root}/{pid}/root{mapping.path}")
+    errors = []
+    for candidate in candidates:
+        try:
+            return open(candidate, "rb")
+        except OSError as exc:
+            errors.append(f"{candidate}: {exc.strerror}")
+    raise DescriptorError("cannot read the runtime extension: " + "; ".join(errors))
+
+
+def _read_mem(pid: int, address: int, size: int, proc_root: str = "/proc") -> bytes:
+    try:
+        with open(f"{proc_root}/{pid}/mem", "rb", buffering=0) as mem:
+            mem.seek(address)
+            data = mem.read(size)
+    except OSError as exc:
+        raise DescriptorError(f"cannot read {proc_root}/{pid}/mem at {address:#x}: "
+                              f"{exc.strerror}") from exc
+    if len(data) != size:
+        raise DescriptorError(f"short read of {proc_root}/{pid}/mem at {address:#x}")
+    return data
+
+
+def find_descriptor_address(pid: int, proc_root: str = "/proc") -> tuple[int, str]:
+    """(address of tramprof_descriptor in *pid*, extension path)."""
+    try:
+        mappings = read_maps(pid, proc_root)
+    except (OSError, SymbolizationError) as exc:
+        raise DescriptorError(f"cannot read the maps of process {pid}: {exc}") from exc
+    by_path: dict[str, list[Mapping]] = {}
+    for mapping in mappings:
+        if EXTENSION_RE.search(mapping.path):
+            by_path.setdefault(mapping.path, []).append(mapping)
+    if not by_path:
+        raise DescriptorError(f"process {pid} has not loaded tramprof_trampolines")
+    for path, maps in by_path.items():
+        with _open_extension(pid, min(maps, key=lambda m: m.start), proc_root) as f:
+            found = _dynsym_value(f, SYMBOL)
+        base_maps = [m for m in maps if m.offset == 0]
+        if found is None or not base_maps:
+            continue
+        value, base_vaddr = found
+        # Load bias: the mapping of file offset 0 minus its PT_LOAD's page address.
+        bias = min(m.start for m in base_maps) - (base_vaddr & ~0xFFF)
+        return bias + value, path
+    raise DescriptorError(f"no {SYMBOL} symbol in the runtime extension of process {pid}")
+
+
+def _cstr(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+
+def read_descriptor(pid: int, proc_root: str = "/proc") -> Descriptor:
+    """Read and validate the descriptor of process *pid*."""
+    address, path = find_descriptor_address(pid, proc_root)
+    for _attempt in range(5):
+        raw = _read_mem(pid, address, DESCRIPTOR_SIZE, proc_root)
+        values = dict(zip(FIELDS, _LAYOUT.unpack(raw), strict=True))
+        if values["magic"] != MAGIC:
+            raise DescriptorError(f"bad magic {values['magic']!r} at {address:#x} in "
+                                  f"process {pid}")
+        if values["abi_version"] != ABI_VERSION:
+            raise DescriptorError(f"unsupported descriptor ABI version {values['abi_version']} "
+                                  f"(this reader: {ABI_VERSION})")
+        count = min(values["arena_count"], values["arena_capacity"])
+        arenas: tuple[tuple[int, int], ...] = ()
+        if count:
+            raw = _read_mem(pid, values["arenas_address"], 16 * count, proc_root)
+            arenas = tuple(struct.unpack_from("<QQ", raw, 16 * i) for i in range(count))
+        # The writer publishes an arena entry before the count and bumps the
+        # generation afterwards: re-read it to get a consistent snapshot.
+        (generation,) = struct.unpack("<Q", _read_mem(pid, address + 80, 8, proc_root))
+        if generation == values["generation"]:
+            break
+    return Descriptor(
+        pid=pid, address=address, extension=path,
+        abi_version=values["abi_version"], arch=values["arch"],
+        stub_size=values["stub_size"], stub_stride=values["stub_stride"],
+        stub_return_offset=values["stub_return_offset"], state=values["state"],
+        tls_offset=values["tls_offset"], record_prev_offset=values["record_prev_offset"],
+        record_self_offset=values["record_self_offset"],
+        record_fp_offset=values["record_fp_offset"], writer_pid=values["pid"],
+        arenas_address=values["arenas_address"], arena_capacity=values["arena_capacity"],
+        stub_count=values["stub_count"], generation=values["generation"],
+        runtime_version=_cstr(values["runtime_version"]),
+        python_version=_cstr(values["python_version"]), arenas=arenas)
+
+
+def read_chain(pid: int, descriptor: Descriptor, thread_pointer: int,
+               limit: int = 4096) -> list[tuple[int, int]]:
+    """Walk a thread's chain given its thread pointer (fs base on x86-64):
+    [(record address, stub start)], innermost first. Stops at a record that
+    is not above the previous one on the stack or whose stub is not in an
+    arena (a torn read of a running thread)."""
+    head_raw = _read_mem(pid, thread_pointer + descriptor.tls_offset, 8)
+    (record,) = struct.unpack("<Q", head_raw)
+    chain: list[tuple[int, int]] = []
+    while record and len(chain) < limit:
+        if chain and record <= chain[-1][0]:
+            break
+        (prev,) = struct.unpack("<Q", _read_mem(pid, record + descriptor.record_prev_offset, 8))
+        (stub,) = struct.unpack("<Q", _read_mem(pid, record + descriptor.record_self_offset, 8))
+        if not descriptor.in_arena(stub):
+            break
+        chain.append((record, stub))
+        record = prev
+    return chain
