@@ -4,6 +4,7 @@ walks the trampoline runtime's chain in BPF (root; Debian's python3.11)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,58 @@ def test_native_leaf_under_the_calling_python_frame(host_interp: Interp) -> None
                    for f in below)
 
     assert share(stacks, in_zlib) >= 0.5, sorted(stacks.items(), key=lambda kv: -kv[1])[:4]
+
+
+@pytest.mark.skipif(shutil.which("py-spy", path=str(Path(sys.executable).parent)) is None
+                    and shutil.which("py-spy") is None, reason="py-spy is not installed")
+def test_function_shares_agree_with_py_spy(host_interp: Interp, tmp_path: Path) -> None:
+    """An independent profiler (py-spy reads CPython's own frame structs) on the
+    same process at the same time: per-function shares within 3 points."""
+    py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+    proc = start(host_interp, "mix", "40")
+    out = tmp_path / "py-spy.txt"
+    try:
+        spy = subprocess.Popen([py_spy, "record", "--pid", str(proc.pid), "--duration", "8",
+                                "--rate", "199", "--format", "raw", "--output", str(out),
+                                "--nonblocking"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+        ours = record(proc.pid, seconds=8, frequency=199)
+        _, err = spy.communicate(timeout=60)
+        assert spy.returncode == 0, err
+    finally:
+        stop(proc)
+    theirs: dict[str, int] = {}
+    for line in out.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        # py-spy frames: "function (file:line)"; the leaf Python function is last.
+        leaf = stack.split(";")[-1].split(" (", 1)[0]
+        theirs[leaf] = theirs.get(leaf, 0) + int(count)
+    mine: dict[str, int] = {}
+    for stack, count in ours.items():
+        py = python_frames(stack)
+        if py:
+            mine[py[-1]] = mine.get(py[-1], 0) + count
+    total_theirs, total_mine = sum(theirs.values()), sum(mine.values())
+    assert total_theirs > 500 and total_mine > 500
+    for function in ("spin", "mix", "work_a", "work_b", "work_c"):
+        a = 100 * mine.get(function, 0) / total_mine
+        b = 100 * theirs.get(function, 0) / total_theirs
+        assert abs(a - b) <= 3, (function, a, b, mine, theirs)
+    # And by the caller of spin(): the 3:2:1 split of the work.
+    def callers(stacks: dict[str, int]) -> dict[str, float]:
+        return {k: v / sum(stacks.values()) for k, v in stacks.items()}
+
+    mine_by_caller: dict[str, int] = {}
+    for stack, count in ours.items():
+        py = python_frames(stack)
+        if len(py) >= 2 and py[-1] == "spin":
+            mine_by_caller[py[-2]] = mine_by_caller.get(py[-2], 0) + count
+    theirs_by_caller: dict[str, int] = {}
+    for line in out.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        names = [f.split(" (", 1)[0] for f in stack.split(";")]
+        if len(names) >= 2 and names[-1] == "spin":
+            theirs_by_caller[names[-2]] = theirs_by_caller.get(names[-2], 0) + int(count)
+    a, b = callers(mine_by_caller), callers(theirs_by_caller)
+    for function in ("work_a", "work_b", "work_c"):
+        assert abs(a.get(function, 0) - b.get(function, 0)) <= 0.03, (a, b)

@@ -4,6 +4,7 @@
     nesting.py recurse SECONDS N  descend() N deep, spinning at the bottom
     nesting.py threads SECONDS    thread A in alpha_work, thread B in beta_work
     nesting.py zlib SECONDS       compress_loop -> zlib.compress (native leaf)
+    nesting.py mix SECONDS        work_a, work_b, work_c in a 3:2:1 ratio of time
 
 Prints "ready" once the work is running (threads started).
 """
@@ -48,6 +49,32 @@ def beta_work(until):
     return leaf(until)
 
 
+def spin(n):
+    x = 0
+    for i in range(n):
+        x = (x * 31 + i) & 0xFFFF
+    return x
+
+
+def work_a():
+    return spin(30000)
+
+
+def work_b():
+    return spin(20000)
+
+
+def work_c():
+    return spin(10000)
+
+
+def mix(until):
+    while time.monotonic() < until:
+        work_a()
+        work_b()
+        work_c()
+
+
 def compress_loop(until):
     data = bytes(range(256)) * 4096
     n = 0
@@ -76,6 +103,8 @@ def main():
         descend(int(sys.argv[3]), until)
     elif mode == "zlib":
         compress_loop(until)
+    elif mode == "mix":
+        mix(until)
 
 
 if __name__ == "__main__":
