@@ -14,32 +14,33 @@ import argparse
 import os
 import subprocess
 import time
+from pathlib import Path
 
-from common import Daemon, build_workload, median
+from common import Daemon, build_workload, install_trampolines, median
 
 
-def run_workload(work: str, millions: int, cpu: int) -> float:
+def run_workload(argv: list[str], cpu: int, env: dict[str, str] | None = None) -> float:
     began = time.perf_counter()
-    subprocess.run(["taskset", "-c", str(cpu), work, str(millions)], check=True)
+    subprocess.run(["taskset", "-c", str(cpu), *argv], check=True, env=env)
     return time.perf_counter() - began
 
 
-def slowdown(work: str, rounds: int, millions: int) -> None:
-    modes = ["none", "99", "999"]
+def slowdown(name: str, argv: list[str], rounds: int, modes: list[str],
+             env: dict[str, str] | None = None) -> None:
     times: dict[str, list[float]] = {m: [] for m in modes}
-    cpu = os.cpu_count() - 1 if os.cpu_count() else 0
-    run_workload(work, millions // 4, cpu)  # warm caches, CPU frequency
+    cpu = (os.cpu_count() or 1) - 1
+    run_workload(argv, cpu, env)  # warm caches, CPU frequency
     for r in range(rounds):
-        order = modes[r % 3:] + modes[:r % 3]
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
         for mode in order:
             daemon = None if mode == "none" else Daemon("--frequency", mode, "--interval", "10")
             try:
-                times[mode].append(run_workload(work, millions, cpu))
+                times[mode].append(run_workload(argv, cpu, env))
             finally:
                 if daemon:
                     daemon.stop()
     base = median(times["none"])
-    print(f"workload: {millions}M iterations pinned to CPU {cpu}, {rounds} rounds per mode")
+    print(f"workload: {name} pinned to CPU {cpu}, {rounds} rounds per mode")
     print(f"{'mode':>8} {'median s':>9} {'min s':>7} {'max s':>7} {'slowdown':>9}")
     for mode in modes:
         m = median(times[mode])
@@ -84,10 +85,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--millions", type=int, default=3000,
                         help="workload size (3000 ~ 3-4 s here)")
+    parser.add_argument("--py-rounds", type=int, default=4000,
+                        help="Python workload size (4000 ~ 3.5 s here)")
     parser.add_argument("--cost-seconds", type=float, default=60)
     args = parser.parse_args()
     work = build_workload()
-    slowdown(work, args.rounds, args.millions)
+    slowdown(f"native, {args.millions}M iterations", [work, str(args.millions)], args.rounds,
+             ["none", "99", "999"])
+    env = install_trampolines()
+    slowdown(f"Python under the trampoline runtime, {args.py_rounds} rounds",
+             ["/usr/bin/python3", str(Path(__file__).with_name("pywork.py")),
+              str(args.py_rounds)], args.rounds, ["none", "99"], env)
     daemon_cost(work, args.cost_seconds)
 
 

@@ -23,6 +23,19 @@ def build_workload() -> str:
     return str(out)
 
 
+def install_trampolines() -> dict[str, str]:
+    """Build the trampoline runtime for the system Python into a private user
+    base; returns the environment that activates it at interpreter start."""
+    base = Path(tempfile.mkdtemp(prefix="tramprof-bench-userbase-"))
+    env = {**os.environ, "PYTHONUSERBASE": str(base), "PIP_BREAK_SYSTEM_PACKAGES": "1",
+           "PIP_ROOT_USER_ACTION": "ignore"}
+    subprocess.run(["/usr/bin/python3", "-m", "pip", "install", "-q", "--user",
+                    "--no-build-isolation", "--no-deps", "--disable-pip-version-check",
+                    str(HERE.parent / "trampolines")], check=True, env=env,
+                   cwd=str(base))
+    return {**env, "TRAMPROF_TRAMPOLINES": "1"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
