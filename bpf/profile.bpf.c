@@ -39,6 +39,19 @@
 #ifndef TP_MAX_TARGETS
 #define TP_MAX_TARGETS 4096
 #endif
+/* Stack window scanned for trampoline return addresses ("scan" mode), bytes
+ * from the sampled sp upward; a multiple of the chunk size. */
+#ifndef TP_SCAN_BYTES
+#define TP_SCAN_BYTES 65536
+#endif
+#define TP_SCAN_CHUNK_WORDS 64
+#define TP_SCAN_CHUNK_BYTES (TP_SCAN_CHUNK_WORDS * 8)
+#define TP_SCAN_CHUNKS (TP_SCAN_BYTES / TP_SCAN_CHUNK_BYTES)
+/* Candidates examined per chunk; a Python frame takes far more than 64
+ * bytes of native stack. */
+#ifndef TP_SCAN_HITS_PER_CHUNK
+#define TP_SCAN_HITS_PER_CHUNK 8
+#endif
 
 #define TP_PF_KTHREAD 0x00200000
 
@@ -46,6 +59,16 @@ struct tp_count_key {
     struct tp_sample_key sample;
     __u32 buffer;
     __u32 pad;
+};
+
+/* Per-CPU state of one stack scan. The hit count and page cache live here,
+ * not in registers: the verifier then need not tell apart loop states that
+ * differ only in them. */
+struct tp_scan_scratch {
+    __u64 words[TP_SCAN_CHUNK_WORDS];
+    __u64 last_page;
+    __u32 n;
+    __u32 pad;      /* 1: chain full, stop */
 };
 
 struct tp_ustack_key {
@@ -62,6 +85,8 @@ BPF_HASH(counts, struct tp_count_key, __u64, TP_MAX_KEYS);
 BPF_F_TABLE("hash", struct tp_ustack_key, struct tp_user_stack, ustacks, TP_MAX_USTACKS,
             BPF_F_NO_PREALLOC);
 BPF_HASH(chain_procs, __u32, struct tp_chain_proc, TP_MAX_CHAIN_PROCS);
+BPF_HASH(scan_procs, __u32, struct tp_scan_proc, TP_MAX_CHAIN_PROCS);
+BPF_PERCPU_ARRAY(scan_scratch, struct tp_scan_scratch, 1);
 BPF_HASH(stub_pages, struct tp_stub_page, __u64, TP_MAX_STUB_PAGES);
 BPF_TABLE("lru_hash", struct tp_process_seen, __u8, seen_processes, TP_MAX_SEEN);
 BPF_PERF_OUTPUT(new_processes);
@@ -165,18 +190,18 @@ static __always_inline void walk_user(struct tp_user_stack *st, __u64 ip, __u64 
  * (fs base); each record {prev, self} lies in a stub's frame. Every record is
  * validated: above the previous one on the stack, and `self` an exact stub
  * start inside one of the process's arenas. No frame pointers needed. */
-static __always_inline void walk_chain(struct tp_user_stack *st, __u32 tgid, void *task,
-                                       __u64 *hash, __u64 *check)
+static __always_inline int walk_chain(struct tp_user_stack *st, __u32 tgid, void *task,
+                                      __u64 *hash, __u64 *check)
 {
     st->nr_chain = 0;
     struct tp_chain_proc *proc = chain_procs.lookup(&tgid);
     if (!proc || proc->stub_stride == 0)
-        return;
+        return 0;
     __u64 fsbase = read_u64(task + TP_OFF_TASK_FSBASE);
     __u64 head = 0;
     if (bpf_probe_read_user(&head, sizeof(head), (void *)(fsbase + proc->tls_offset))) {
         st->flags |= TP_CHAIN_INVALID;
-        return;
+        return 1;
     }
     __u64 h = *hash, c = *check, below = 0;
     __u32 n = 0;
@@ -222,6 +247,114 @@ static __always_inline void walk_chain(struct tp_user_stack *st, __u32 tgid, voi
     if (n >= TP_MAX_CHAIN && head != 0)
         st->flags |= TP_CHAIN_TRUNCATED;
     st->nr_chain = n;
+    *hash = h;
+    *check = c;
+    return 1;
+}
+
+/* One candidate word of the stack scan: keep it when its page is an arena
+ * page of this process. sc->pad set: TP_MAX_CHAIN frames taken. */
+static __always_inline void scan_hit(struct tp_user_stack *st, struct tp_scan_scratch *sc,
+                                  struct tp_stub_page *page, __u64 w, __u64 roff,
+                                  __u64 where, __u64 *h, __u64 *c)
+{
+    __u64 pg = w & ~0xFFFULL;
+    if (pg != sc->last_page) {
+        page->page = pg;
+        if (!stub_pages.lookup(page))
+            return;
+        sc->last_page = pg;
+    }
+    __u32 n = sc->n;
+    if (n >= TP_MAX_CHAIN) { /* the rest of the chunk is skipped too */
+        st->flags |= TP_CHAIN_TRUNCATED;
+        sc->pad = 1;
+        return;
+    }
+    __u64 stub = w - roff;
+    st->chain[n & (TP_MAX_CHAIN - 1)].ip = stub;
+    st->chain[n & (TP_MAX_CHAIN - 1)].sp = where;
+    sc->n = n + 1;
+    *h = mix_a(*h, stub);
+    *c = mix_b(*c, stub);
+}
+
+/* Stack scan (stubs we do not control: CPython 3.12+ -X perf). Reads the user
+ * stack from sp upward in chunks and takes every word that is a stub's return
+ * address (see struct tp_scan_proc) as a trampoline frame: ip = the stub's
+ * start (its perf map key), sp = the word's address. Lowest address first,
+ * i.e. innermost first. Stops at the first unreadable chunk (the stack's top,
+ * or a guard page) or at the window's end (flagged TP_SCAN_TRUNCATED). Words
+ * below sp are dead and ignored. */
+static __always_inline void walk_scan(struct tp_user_stack *st, __u32 tgid, __u64 sp,
+                                      __u64 *hash, __u64 *check)
+{
+    struct tp_scan_proc *proc = scan_procs.lookup(&tgid);
+    if (!proc)
+        return;
+    __u32 zero = 0;
+    struct tp_scan_scratch *sc = scan_scratch.lookup(&zero);
+    if (!sc)
+        return;
+    __u64 lo = proc->arena_min, span = proc->arena_span;
+    __u64 smask = proc->stride_mask, roff = proc->return_offset;
+    __u64 h = *hash, c = *check;
+    struct tp_stub_page page = {.tgid = tgid};
+    /* Chunks aligned to their size never straddle a page: a chunk fails to
+     * read only when its own page is not mapped. */
+    __u64 base = sp & ~(__u64)(TP_SCAN_CHUNK_BYTES - 1);
+    int k;
+
+    sc->n = 0;
+    sc->pad = 0;
+    sc->last_page = 0;
+#pragma unroll 1
+    for (k = 0; k < TP_SCAN_CHUNKS; k++) {
+        __u64 addr = base + (__u64)k * TP_SCAN_CHUNK_BYTES;
+        if (bpf_probe_read_user(sc->words, sizeof(sc->words), (void *)addr))
+            goto out;
+        /* Pass 1, without branches (the verifier's pending-branch budget is
+         * per path): a bit per candidate word, in range and at the return
+         * offset. Both tests are written as borrow bits: x < span iff
+         * bit 63 of (x - span) & ~x, y == 0 iff bit 63 of (y - 1) & ~y. */
+        __u64 bits = 0;
+#pragma unroll 1
+        for (int j = 0; j < TP_SCAN_CHUNK_WORDS; j++) {
+            __u64 w = sc->words[j];
+            __u64 x = w - lo;
+            __u64 y = (w & smask) ^ roff;
+            __u64 hit = (((x - span) & ~x) & ((y - 1) & ~y)) >> 63;
+            bits |= hit << j;
+        }
+        if (k == 0) /* words below sp are dead */
+            bits &= ~0ULL << ((sp - addr) >> 3);
+        /* Pass 2: the candidates, lowest address first. */
+#pragma unroll 1
+        for (int t = 0; t < TP_SCAN_HITS_PER_CHUNK; t++) {
+            if (!bits)
+                break;
+            __u64 below = (bits & -bits) - 1; /* index = popcount(below) */
+            below = below - ((below >> 1) & 0x5555555555555555ULL);
+            below = (below & 0x3333333333333333ULL) + ((below >> 2) & 0x3333333333333333ULL);
+            below = (below + (below >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+            __u32 j = ((below * 0x0101010101010101ULL) >> 56) & (TP_SCAN_CHUNK_WORDS - 1);
+            scan_hit(st, sc, &page, sc->words[j], roff, addr + j * 8, &h, &c);
+            bits &= bits - 1;
+        }
+        if (bits)
+            st->flags |= TP_CHAIN_INVALID; /* more candidates than pass 2 takes */
+        if (sc->pad)
+            goto out;
+    }
+    {
+        /* Window used up: is there more stack above it? */
+        __u64 more = 0;
+        if (!bpf_probe_read_user(&more, sizeof(more),
+                                 (void *)(base + (__u64)TP_SCAN_CHUNKS * TP_SCAN_CHUNK_BYTES)))
+            st->flags |= TP_SCAN_TRUNCATED;
+    }
+out:
+    st->nr_chain = sc->n;
     *hash = h;
     *check = c;
 }
@@ -287,11 +420,15 @@ int on_sample(struct bpf_perf_event_data *ctx)
         __u64 hash = 0;
         walk_user(st, ip, sp, fp, &hash);
         __u64 check = st->check;
-        walk_chain(st, tgid, task, &hash, &check);
+        int chained = walk_chain(st, tgid, task, &hash, &check);
+        if (!chained)
+            walk_scan(st, tgid, sp, &hash, &check);
         st->check = check;
         hash |= 1; /* never 0: 0 means "no user stack" */
         if (st->nr_chain)
-            bump(TP_CNT_CHAIN_SAMPLES);
+            bump(chained ? TP_CNT_CHAIN_SAMPLES : TP_CNT_SCAN_SAMPLES);
+        if (st->flags & TP_SCAN_TRUNCATED)
+            bump(TP_CNT_SCAN_TRUNCATED);
         if (st->flags & TP_CHAIN_TRUNCATED)
             bump(TP_CNT_CHAIN_TRUNCATED);
         if (st->flags & TP_CHAIN_INVALID)

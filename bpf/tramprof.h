@@ -24,6 +24,7 @@
 #define TP_USTACK_NO_USER 0x4     /* kernel thread or no user registers */
 #define TP_CHAIN_TRUNCATED 0x8    /* more trampoline frames than TP_MAX_CHAIN */
 #define TP_CHAIN_INVALID 0x10     /* the chain held a record that failed validation */
+#define TP_SCAN_TRUNCATED 0x20    /* stack scan window ended on readable stack */
 
 /* Indexes of the per-CPU counters array (cumulative, never reset). */
 enum tp_counter {
@@ -42,6 +43,8 @@ enum tp_counter {
     TP_CNT_CHAIN_SAMPLES,        /* samples unwound through a trampoline chain */
     TP_CNT_CHAIN_TRUNCATED,      /* chain longer than TP_MAX_CHAIN */
     TP_CNT_CHAIN_INVALID,        /* chain walk stopped at an invalid record */
+    TP_CNT_SCAN_SAMPLES,         /* samples with trampoline frames found by stack scan */
+    TP_CNT_SCAN_TRUNCATED,       /* stack scan window ended before the stack did */
     TP_CNT_MAX
 };
 
@@ -72,6 +75,17 @@ struct tp_chain_proc {
     __s64 tls_offset;     /* chain head's address minus the thread pointer */
     __u32 stub_stride;    /* distance between stubs in an arena */
     __u32 record_self;    /* offset of record.self in a record */
+};
+
+/* A process whose stubs are found by scanning its stack ("scan" mode: CPython
+ * 3.12+ -X perf). A word w on the stack is a stub's return address when it
+ * lies in an arena page (stub_pages) and w & stride_mask == return_offset:
+ * arenas are page-aligned and the stride a power of two dividing the page size. */
+struct tp_scan_proc {
+    __u64 arena_min;      /* lowest arena start */
+    __u64 arena_span;     /* highest arena end minus arena_min */
+    __u32 stride_mask;    /* stride - 1 */
+    __u32 return_offset;  /* return address minus stub start */
 };
 
 /* One page of a trampoline arena of one process -> the arena's start. */

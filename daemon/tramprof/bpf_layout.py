@@ -19,6 +19,7 @@ USTACK_FAULT = 0x2
 USTACK_NO_USER = 0x4
 CHAIN_TRUNCATED = 0x8
 CHAIN_INVALID = 0x10
+SCAN_TRUNCATED = 0x20
 
 
 class Counter(enum.IntEnum):
@@ -39,6 +40,8 @@ class Counter(enum.IntEnum):
     CHAIN_SAMPLES = 12
     CHAIN_TRUNCATED = 13
     CHAIN_INVALID = 14
+    SCAN_SAMPLES = 15
+    SCAN_TRUNCATED = 16
 
 
 COUNTER_COUNT = len(Counter)
@@ -69,6 +72,13 @@ class ChainProc(ctypes.Structure):
 
     _fields_ = [("tls_offset", ctypes.c_int64), ("stub_stride", ctypes.c_uint32),
                 ("record_self", ctypes.c_uint32)]
+
+
+class ScanProc(ctypes.Structure):
+    """A process unwound by stack scan (value of ``scan_procs``)."""
+
+    _fields_ = [("arena_min", ctypes.c_uint64), ("arena_span", ctypes.c_uint64),
+                ("stride_mask", ctypes.c_uint32), ("return_offset", ctypes.c_uint32)]
 
 
 class StubPage(ctypes.Structure):

@@ -180,7 +180,7 @@ def check_unwinding_mode(pid: int, maps: list[Any]) -> Check:
     fp = Check("unwinding mode", True, "fp: frame-pointer walk (frames of code built "
                "without frame pointers are skipped)")
     if runtime is None:
-        return fp
+        return check_scan_mode(pid, maps) or fp
     from tramprof.trampoline_descriptor import read_descriptor
 
     try:
@@ -197,6 +197,31 @@ def check_unwinding_mode(pid: int, maps: list[Any]) -> Check:
                  f"chain: trampoline runtime {d.runtime_version} (ABI {d.abi_version}, "
                  f"Python {d.python_version}), {d.stub_count} stubs in {len(d.arenas)} "
                  f"arenas, chain head at thread pointer {d.tls_offset:+d}")
+
+
+class _NoSampler:
+    def set_scan_process(self, tgid: int, return_offset: int, stride: int,
+                         arenas: Any) -> None:
+        pass
+
+    def clear_scan_process(self, tgid: int, arenas: Any) -> None:
+        pass
+
+
+def check_scan_mode(pid: int, maps: list[Any], proc_root: str = "/proc") -> Check | None:
+    """CPython -X perf stubs found and verified the way the daemon does it."""
+    from tramprof.scan import ScanProcesses, describe
+
+    scans = ScanProcesses(_NoSampler(), proc_root=proc_root)
+    scans.consider(pid, maps)
+    proc = scans.get(pid)
+    if proc is not None:
+        return Check("unwinding mode", True, describe(proc))
+    if scans.refusals:
+        reason = ", ".join(sorted(scans.refusals))
+        return Check("unwinding mode", False, f"fp: trampoline stubs found but not scannable "
+                     f"({reason})", "the stub layout is not one tramprof knows", warning=True)
+    return None
 
 
 _REFUSAL_FIX = {

@@ -15,6 +15,7 @@ from tramprof.config import Config
 from tramprof.process_state import ProcessRegistry
 from tramprof.processes import open_event_source
 from tramprof.sampler import RawSample, Sampler
+from tramprof.scan import ScanProcesses
 from tramprof.stats import ProfilerStats
 from tramprof.symbols.kallsyms import KernelSymbols
 from tramprof.unwind import Stack, stack_frames
@@ -32,6 +33,7 @@ class Profiler:
                                         failures=self.stats.symbolization_failures)
         self.events = open_event_source(log)
         self.chains = ChainProcesses(self.sampler)
+        self.scans = ScanProcesses(self.sampler, proc_root=config.proc_root)
 
     def start(self) -> None:
         # Parse kallsyms now (~0.5 s of CPU), before sampling starts: new
@@ -64,6 +66,8 @@ class Profiler:
                 image = self.registry.warm(tgid, start, exec_id)
                 if image is not None and image.symbolizer is not None:
                     self.chains.consider(tgid, image.symbolizer.mappings)
+                    if tgid not in self.chains:
+                        self.scans.consider(tgid, image.symbolizer.mappings)
             except Exception:
                 log.exception("cannot prepare symbols of pid %d", tgid)
         events = self.events.read_events()
@@ -72,8 +76,17 @@ class Profiler:
         self.stats.process_events["overrun"] = self.events.overruns
         if self.events.take_resync_request():
             self.registry.resync()
-        self.chains.refresh({identity.pid for identity in self.registry.identities()})
+        self._refresh_modes()
         self.registry.defer(events)
+
+    def _refresh_modes(self) -> None:
+        live = {identity.pid for identity in self.registry.identities()}
+        self.chains.refresh(live)
+        # A process that activated our runtime is walked by chain, not scanned.
+        self.scans.refresh(live, skip=[pid for pid in live if pid in self.chains])
+
+    def unwinding_mode(self, pid: int) -> str:
+        return self.scans.mode(pid) or self.chains.mode(pid)
 
     def collect(self) -> list[Stack]:
         """Drain the kernel buffers and return this interval's named stacks."""
@@ -94,7 +107,7 @@ class Profiler:
         # A process whose main thread exits first sends no process-level exit
         # event; a /proc check after every drain catches it.
         self.registry.resync()
-        self.chains.refresh({identity.pid for identity in self.registry.identities()})
+        self._refresh_modes()
         for stack in stacks:
             self.stats.samples_by_process[stack.process] += stack.count
         self.stats.bpf_counters = self.sampler.counters()
@@ -121,7 +134,7 @@ class Profiler:
             user = image.resolve if image else None
         frames = stack_frames(sample, user, self.kernel.resolve,
                               self.stats.symbolization_failures,
-                              self.chains.get(sample.tgid))
+                              self.chains.get(sample.tgid) or self.scans.get(sample.tgid))
         return Stack(pid=sample.tgid, process=process, comm=sample.comm, frames=frames,
                      count=sample.count)
 

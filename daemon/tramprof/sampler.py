@@ -68,12 +68,16 @@ class SamplerConfig:
     max_user_stacks: int = 16384
     max_kernel_stacks: int = 8192
     max_targets: int = 4096
+    scan_bytes: int = 65536  # stack window of "scan" mode, from sp upward
 
     def __post_init__(self) -> None:
         if not 1 <= self.frequency <= 10000:
             raise ValueError(f"frequency must be 1..10000 Hz, got {self.frequency}")
         if self.event not in EVENTS:
             raise ValueError(f"event must be one of {', '.join(EVENTS)}, got {self.event!r}")
+        if self.scan_bytes < 512 or self.scan_bytes % 512:
+            raise ValueError(f"scan_bytes must be a positive multiple of 512, "
+                             f"got {self.scan_bytes}")
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ def build_cflags(config: SamplerConfig, btf_path: str = VMLINUX_BTF) -> list[str
         f"-DTP_MAX_USTACKS={config.max_user_stacks}",
         f"-DTP_MAX_KSTACKS={config.max_kernel_stacks}",
         f"-DTP_MAX_TARGETS={config.max_targets}",
+        f"-DTP_SCAN_BYTES={config.scan_bytes}",
     ]
     with KernelBtf(btf_path) as btf:
         for macro, path in _BTF_FIELDS.items():
@@ -406,6 +411,34 @@ class Sampler:
                 pages[bpf_layout.StubPage(tgid=tgid, page=page)] = ctypes.c_uint64(start)
         procs[ctypes.c_uint32(tgid)] = bpf_layout.ChainProc(
             tls_offset=tls_offset, stub_stride=stub_stride, record_self=8)
+
+    def set_scan_process(self, tgid: int, return_offset: int, stride: int,
+                         arenas: Iterable[tuple[int, int]]) -> None:
+        """Let the program scan ``tgid``'s stack for stub return addresses.
+        ``arenas``: every arena (page-aligned); ``stride``: a power of two
+        dividing the page size. Call again with all arenas when new ones appear."""
+        arenas = sorted(arenas)
+        if not arenas or stride <= 0 or stride & (stride - 1) or 0x1000 % stride:
+            raise ValueError(f"unsupported scan layout: stride {stride}, {len(arenas)} arenas")
+        pages = self._bpf.get_table(b"stub_pages", keytype=bpf_layout.StubPage,
+                                    leaftype=ctypes.c_uint64)
+        procs = self._bpf.get_table(b"scan_procs", keytype=ctypes.c_uint32,
+                                    leaftype=bpf_layout.ScanProc)
+        for start, end in arenas:
+            for page in range(start & ~0xFFF, end, 0x1000):
+                pages[bpf_layout.StubPage(tgid=tgid, page=page)] = ctypes.c_uint64(start)
+        low = arenas[0][0] & ~0xFFF
+        high = max(end for _start, end in arenas)
+        procs[ctypes.c_uint32(tgid)] = bpf_layout.ScanProc(
+            arena_min=low, arena_span=high - low, stride_mask=stride - 1,
+            return_offset=return_offset)
+
+    def clear_scan_process(self, tgid: int, arenas: Iterable[tuple[int, int]]) -> None:
+        procs = self._bpf.get_table(b"scan_procs", keytype=ctypes.c_uint32,
+                                    leaftype=bpf_layout.ScanProc)
+        with contextlib.suppress(KeyError):
+            del procs[ctypes.c_uint32(tgid)]
+        self.clear_chain_process(tgid, arenas)
 
     def clear_chain_process(self, tgid: int, arenas: Iterable[tuple[int, int]]) -> None:
         procs = self._bpf.get_table(b"chain_procs", keytype=ctypes.c_uint32,

@@ -102,7 +102,7 @@ def stack_frames(sample: RawSample, user: UserResolver | None, kernel: KernelRes
     frames: list[str] = []
     has_user = not sample.user_flags & bpf_layout.USTACK_NO_USER
     if has_user:
-        if sample.user_flags & bpf_layout.CHAIN_TRUNCATED or (
+        if sample.user_flags & (bpf_layout.CHAIN_TRUNCATED | bpf_layout.SCAN_TRUNCATED) or (
                 sample.user_flags & bpf_layout.USTACK_TRUNCATED and not sample.chain):
             frames.append(TRUNCATED)
         if user is None:

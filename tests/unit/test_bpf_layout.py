@@ -20,6 +20,7 @@ STRUCTS = {
     "tp_process_seen": bpf_layout.ProcessSeen,
     "tp_chain_proc": bpf_layout.ChainProc,
     "tp_stub_page": bpf_layout.StubPage,
+    "tp_scan_proc": bpf_layout.ScanProc,
 }
 KEYS_IN_PROGRAM = {"tp_count_key": bpf_layout.CountKey, "tp_ustack_key": bpf_layout.UserStackKey}
 
@@ -38,6 +39,8 @@ def _c_layout(tmp_path, header_code: str, structs: dict[str, type]) -> dict[str,
         " TP_MAX_FRAMES, TP_COMM_LEN, TP_CNT_MAX);\n"
         'printf("TP_MAX_CHAIN %d\\nTP_CHAIN_TRUNCATED %d\\nTP_CHAIN_INVALID %d\\n",'
         " TP_MAX_CHAIN, TP_CHAIN_TRUNCATED, TP_CHAIN_INVALID);\n"
+        'printf("TP_SCAN_TRUNCATED %d\\n", TP_SCAN_TRUNCATED);'
+        "\n"
         '\nprintf("TP_USTACK_TRUNCATED %d\\nTP_USTACK_FAULT %d\\nTP_USTACK_NO_USER %d\\n",'
         " TP_USTACK_TRUNCATED, TP_USTACK_FAULT, TP_USTACK_NO_USER);\nreturn 0;\n}\n")
     exe = tmp_path / "layout"
@@ -67,6 +70,7 @@ def test_shared_structs_match(tmp_path):
     assert layout["TP_MAX_CHAIN"] == bpf_layout.MAX_CHAIN
     assert layout["TP_CHAIN_TRUNCATED"] == bpf_layout.CHAIN_TRUNCATED
     assert layout["TP_CHAIN_INVALID"] == bpf_layout.CHAIN_INVALID
+    assert layout["TP_SCAN_TRUNCATED"] == bpf_layout.SCAN_TRUNCATED
 
 
 def test_counter_enum_matches_header():

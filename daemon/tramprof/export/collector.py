@@ -98,8 +98,10 @@ class ProfilerCollector(Collector):
 
         modes = _family(fam.UNWIND_SAMPLES)
         chain = bpf.get(BpfCounter.CHAIN_SAMPLES, 0)
+        scan = bpf.get(BpfCounter.SCAN_SAMPLES, 0)
         modes.add_metric(["chain"], chain)
-        modes.add_metric(["fp"], max(0, bpf.get(BpfCounter.RECORDED, 0) - chain
+        modes.add_metric(["scan"], scan)
+        modes.add_metric(["fp"], max(0, bpf.get(BpfCounter.RECORDED, 0) - chain - scan
                                       - bpf.get(BpfCounter.KERNEL_THREAD, 0)))
         yield modes
         for f, counter in ((fam.PYTHON_FRAMES_TRUNCATED, BpfCounter.CHAIN_TRUNCATED),

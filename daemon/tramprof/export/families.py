@@ -122,7 +122,8 @@ SERIES = Family(
 UNWIND_SAMPLES = Family(
     "tramprof_unwind_samples", "counter", ("mode",),
     "User stacks by unwinding mode: chain (through the trampoline runtime's frame "
-    "chain) or fp (frame pointers only).")
+    "chain), scan (return addresses of known stubs, e.g. CPython -X perf, found in the "
+    "stack) or fp (frame pointers only).")
 PYTHON_FRAMES_TRUNCATED = Family(
     "tramprof_python_stacks_truncated", "counter", (),
     "Samples with more trampoline (Python) frames than the walk keeps; the root side "
