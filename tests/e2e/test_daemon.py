@@ -91,9 +91,27 @@ def value(metrics: dict, name: str, **labels: str) -> float:
     return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def our_bpf_programs() -> list[str]:
-    out = subprocess.run(["bpftool", "prog", "show"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "on_sample" in line]
+def bpf_objects_of(pid: int) -> set[tuple[str, int]]:
+    """("prog"|"map", id) of every BPF object the process holds a descriptor of."""
+    found = set()
+    fd_dir = f"/proc/{pid}/fdinfo"
+    for fd in os.listdir(fd_dir):
+        try:
+            with open(f"{fd_dir}/{fd}") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in ("prog_id", "map_id"):
+                        found.add((key[:-3], int(value)))
+        except OSError:
+            continue
+    return found
+
+
+def loaded(kind: str, object_id: int) -> bool:
+    """Whether the kernel still has this BPF program or map (bpftool's view)."""
+    result = subprocess.run(["bpftool", kind, "show", "id", str(object_id)],
+                            capture_output=True, text=True)
+    return result.returncode == 0
 
 
 def test_samples_per_process_and_clean_stop(daemon, targets, start_target):
@@ -111,9 +129,13 @@ def test_samples_per_process_and_clean_stop(daemon, targets, start_target):
         assert value(last, "tramprof_lost_samples_total", reason=reason) == 0
     assert d.get("/healthz").strip() == "ok"
     _check_profiles(d, target.pid)
-    assert our_bpf_programs(), "the sampling program should be loaded while running"
+    objects = bpf_objects_of(d.proc.pid)
+    kinds = [kind for kind, _ in objects]
+    assert kinds.count("prog") == 1 and kinds.count("map") >= 8, objects
+    assert all(loaded(kind, i) for kind, i in objects)
     assert d.stop() == 0
-    assert our_bpf_programs() == [], "SIGTERM must unload every BPF program"
+    left = [(kind, i) for kind, i in objects if loaded(kind, i)]
+    assert left == [], "SIGTERM must unload every BPF program and map of the daemon"
 
 
 def _check_profiles(d: Daemon, pid: int) -> None:
