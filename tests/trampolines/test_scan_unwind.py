@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from .conftest import Interp, root_interp
-from .test_chain_unwind import python_frames, record, share, stop
+from .test_chain_unwind import assert_exact_chain, python_frames, record, share, start, stop
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: loads BPF programs"),
@@ -24,28 +24,17 @@ def trixie() -> Interp:
     return root_interp("trixie")
 
 
-def start(interp: Interp, *args: str) -> subprocess.Popen[str]:
+def start_perf(interp: Interp, *args: str) -> subprocess.Popen[str]:
     # CPython's own trampolines; our runtime stays inactive (no TRAMPROF_TRAMPOLINES).
-    proc = interp.popen("-X", "perf", interp.script("nesting.py"), *args)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.strip() == "ready", (line, proc.stderr.read() if proc.stderr else "")
-    return proc
+    return start(interp, *args, env={}, options=("-X", "perf"))
 
 
 def test_exact_python_chain(trixie: Interp) -> None:
-    proc = start(trixie, "chain", "30")
-    try:
-        stacks = record(proc.pid)
-    finally:
-        stop(proc)
-    exact = share(stacks, lambda s: python_frames(s) == ["<module>", "main", "outer",
-                                                          "middle", "inner", "leaf"])
-    assert exact >= 0.90, sorted(stacks.items(), key=lambda kv: -kv[1])[:3]
+    assert_exact_chain(start_perf(trixie, "chain", "30"), 0.90)
 
 
 def test_recursion_60_deep_reaches_the_root(trixie: Interp) -> None:
-    proc = start(trixie, "recurse", "30", "60")
+    proc = start_perf(trixie, "recurse", "30", "60")
     try:
         stacks = record(proc.pid)
     finally:
