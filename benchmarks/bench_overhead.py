@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +47,62 @@ def slowdown(name: str, argv: list[str], rounds: int, modes: list[str],
         m = median(times[mode])
         print(f"{mode:>8} {m:9.3f} {min(times[mode]):7.3f} {max(times[mode]):7.3f} "
               f"{(m / base - 1) * 100:8.2f}%")
+
+
+class Throughput:
+    """A long-running workload that prints (time, rounds done) lines."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+        self.samples: list[tuple[float, int]] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            t, done = line.split()
+            self.samples.append((float(t), int(done)))
+
+    def rate(self, seconds: float) -> float:
+        """Rounds per second over the next ``seconds``."""
+        time.sleep(0.3)
+        first = self.samples[-1]
+        time.sleep(seconds)
+        last = self.samples[-1]
+        return (last[1] - first[1]) / (last[0] - first[0])
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def steady_python_slowdown(env: dict[str, str], rounds: int, window: float) -> None:
+    """A Python process already running under the trampoline runtime: its
+    throughput with no daemon, then with the daemon at 99 Hz once the daemon
+    has seen it (start-up work excluded), alternating."""
+    cpu = (os.cpu_count() or 1) - 1
+    work = Throughput(["taskset", "-c", str(cpu), "/usr/bin/python3",
+                       str(Path(__file__).with_name("pywork.py")), "stream"], env)
+    rates: dict[str, list[float]] = {"none": [], "99": []}
+    try:
+        work.rate(2)  # warm up
+        for _ in range(rounds):
+            rates["none"].append(work.rate(window))
+            daemon = Daemon("--frequency", "99", "--interval", "10")
+            try:
+                time.sleep(2)  # the daemon looks at the process on its first sample
+                rates["99"].append(work.rate(window))
+            finally:
+                daemon.stop()
+    finally:
+        work.stop()
+    base = median(rates["none"])
+    print(f"workload: Python under the trampoline runtime (chain mode), running throughout, "
+          f"pinned to CPU {cpu}; {rounds} windows of {window:.0f} s per mode")
+    print(f"{'mode':>8} {'rounds/s':>9} {'slowdown':>9}")
+    for mode, values in rates.items():
+        print(f"{mode:>8} {median(values):9.1f} {(1 - median(values) / base) * 100:8.2f}%")
 
 
 def daemon_cost(work: str, seconds: float, warmup: float = 15) -> None:
@@ -85,17 +142,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--millions", type=int, default=3000,
                         help="workload size (3000 ~ 3-4 s here)")
-    parser.add_argument("--py-rounds", type=int, default=4000,
-                        help="Python workload size (4000 ~ 3.5 s here)")
+    parser.add_argument("--window", type=float, default=4,
+                        help="seconds per measurement window of the Python workload")
     parser.add_argument("--cost-seconds", type=float, default=60)
     args = parser.parse_args()
     work = build_workload()
     slowdown(f"native, {args.millions}M iterations", [work, str(args.millions)], args.rounds,
              ["none", "99", "999"])
-    env = install_trampolines()
-    slowdown(f"Python under the trampoline runtime, {args.py_rounds} rounds",
-             ["/usr/bin/python3", str(Path(__file__).with_name("pywork.py")),
-              str(args.py_rounds)], args.rounds, ["none", "99"], env)
+    steady_python_slowdown(install_trampolines(), args.rounds, args.window)
     daemon_cost(work, args.cost_seconds)
 
 

@@ -1,6 +1,11 @@
-"""Fixed CPU-bound Python work for overhead benchmarks (argv[1] rounds)."""
+"""CPU-bound Python work for overhead benchmarks.
+
+    pywork.py ROUNDS    fixed work, then exit
+    pywork.py stream    run until killed, printing the rounds done every 0.25 s
+"""
 
 import sys
+import time
 
 
 def leaf(n):
@@ -25,5 +30,20 @@ def outer(rounds):
     return total
 
 
+def stream():
+    done = 0
+    next_report = time.monotonic() + 0.25
+    while True:
+        outer(10)
+        done += 10
+        now = time.monotonic()
+        if now >= next_report:
+            print(f"{now:.6f} {done}", flush=True)
+            next_report = now + 0.25
+
+
 if __name__ == "__main__":
-    outer(int(sys.argv[1]) if len(sys.argv) > 1 else 400)
+    if len(sys.argv) > 1 and sys.argv[1] == "stream":
+        stream()
+    else:
+        outer(int(sys.argv[1]) if len(sys.argv) > 1 else 400)
