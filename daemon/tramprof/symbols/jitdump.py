@@ -34,7 +34,13 @@ from typing import Final
 
 from tramprof.symbols.addrindex import U64_MAX, AddrIndex
 from tramprof.symbols.safeopen import IO_ERROR, Refusal
-from tramprof.symbols.tailreader import RefreshResult, SourceStats, TailReader
+from tramprof.symbols.tailreader import (
+    RefreshResult,
+    SourceStats,
+    TailReader,
+    checked_pid,
+    process_tmp_file,
+)
 
 JITDUMP_MAGIC: Final = 0x4A695444
 JITDUMP_MAGIC_SWAPPED: Final = 0x4454694A
@@ -164,13 +170,9 @@ class _BadRecord(Exception):
 
 def jitdump_path(pid: int, nstgid_innermost: int, proc_root: str = "/proc") -> str:
     """Path of a process's jitdump inside its own mount namespace (never the host's /tmp)."""
-    return f"{proc_root}/{_pid(pid)}/root/tmp/jit-{_pid(nstgid_innermost)}.dump"
-
-
-def _pid(value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"not a pid: {value!r}")
-    return value
+    path, root = process_tmp_file(pid, f"jit-{checked_pid(nstgid_innermost)}.dump",
+                                  proc_root)
+    return f"{root}/{path}"
 
 
 def _cstring(data: bytes, start: int, end: int) -> tuple[str, int]:
@@ -250,13 +252,9 @@ class JitDump:
         **caps: int,
     ) -> JitDump:
         """Reader for ``jitdump_path(pid, nstgid_innermost, proc_root)``."""
-        return cls(
-            f"tmp/jit-{_pid(nstgid_innermost)}.dump",
-            expected_uid,
-            root=f"{proc_root}/{_pid(pid)}/root",
-            not_before_ns=not_before_ns,
-            **caps,
-        )
+        name = f"jit-{checked_pid(nstgid_innermost)}.dump"
+        path, root = process_tmp_file(pid, name, proc_root)
+        return cls(path, expected_uid, root=root, not_before_ns=not_before_ns, **caps)
 
     @property
     def path(self) -> str:

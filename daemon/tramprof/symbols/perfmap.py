@@ -35,7 +35,13 @@ from typing import Any, Final
 
 from tramprof.symbols.addrindex import U64_MAX, AddrIndex
 from tramprof.symbols.safeopen import IO_ERROR, Refusal
-from tramprof.symbols.tailreader import RefreshResult, SourceStats, TailReader
+from tramprof.symbols.tailreader import (
+    RefreshResult,
+    SourceStats,
+    TailReader,
+    checked_pid,
+    process_tmp_file,
+)
 
 DEFAULT_MAX_FILE_BYTES: Final = 64 << 20
 DEFAULT_MAX_LINE_BYTES: Final = 4096
@@ -139,13 +145,9 @@ def perf_map_path(pid: int, nstgid_innermost: int, proc_root: str = "/proc") -> 
     its own ``/tmp``, and the host's ``/tmp/perf-<nstgid>.map`` (if any)
     belongs to some other process.
     """
-    return f"{proc_root}/{_pid(pid)}/root/tmp/perf-{_pid(nstgid_innermost)}.map"
-
-
-def _pid(value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"not a pid: {value!r}")
-    return value
+    path, root = process_tmp_file(pid, f"perf-{checked_pid(nstgid_innermost)}.map",
+                                  proc_root)
+    return f"{root}/{path}"
 
 
 class PerfMap:
@@ -203,13 +205,9 @@ class PerfMap:
         **caps: int,
     ) -> PerfMap:
         """Reader for ``perf_map_path(pid, nstgid_innermost, proc_root)``."""
-        return cls(
-            f"tmp/perf-{_pid(nstgid_innermost)}.map",
-            expected_uid,
-            root=f"{proc_root}/{_pid(pid)}/root",
-            not_before_ns=not_before_ns,
-            **caps,
-        )
+        name = f"perf-{checked_pid(nstgid_innermost)}.map"
+        path, root = process_tmp_file(pid, name, proc_root)
+        return cls(path, expected_uid, root=root, not_before_ns=not_before_ns, **caps)
 
     @property
     def path(self) -> str:

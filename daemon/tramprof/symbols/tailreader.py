@@ -82,6 +82,22 @@ class RefreshResult:
     remaining: int = 0
 
 
+def checked_pid(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"not a pid: {value!r}")
+    return value
+
+
+def process_tmp_file(pid: int, name: str, proc_root: str = "/proc") -> tuple[str, str]:
+    """(path below the root, root) of ``/tmp/NAME`` as process ``pid`` sees it.
+
+    Always below ``/proc/PID/root``: a containerised process writes into its
+    own ``/tmp``, and the host's file of the same name belongs to another
+    process. Opening ``path`` relative to ``root`` follows no symlink.
+    """
+    return f"tmp/{name}", f"{proc_root}/{checked_pid(pid)}/root"
+
+
 class TailReader:
     """Remembers (dev, inode, offset) of one path and hands out new bytes.
 
