@@ -116,6 +116,7 @@ class Profiler:
             self.stats.bpf_run_time_ns, self.stats.bpf_run_count = run_time
         self.stats.new_process_events_lost = self.sampler.new_process_events_lost
         self.stats.processes = len(self.registry)
+        self.stats.scan_refusals = Counter(self.scans.refusals)
         self.stats.drains += 1
         self.stats.last_drain_seconds = time.monotonic() - began
         jit = self.registry.jit_totals()

@@ -23,6 +23,7 @@ class ProfilerStats:
     jit_counters: Counter[tuple[str, str]] = field(default_factory=Counter)
     jit_entries: Counter[str] = field(default_factory=Counter)
     jit_files: Counter[str] = field(default_factory=Counter)
+    scan_refusals: Counter[str] = field(default_factory=Counter)
 
     def copy(self) -> ProfilerStats:
         return ProfilerStats(
@@ -39,4 +40,5 @@ class ProfilerStats:
             jit_counters=Counter(self.jit_counters),
             jit_entries=Counter(self.jit_entries),
             jit_files=Counter(self.jit_files),
+            scan_refusals=Counter(self.scan_refusals),
         )

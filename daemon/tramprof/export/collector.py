@@ -104,6 +104,10 @@ class ProfilerCollector(Collector):
         modes.add_metric(["fp"], max(0, bpf.get(BpfCounter.RECORDED, 0) - chain - scan
                                       - bpf.get(BpfCounter.KERNEL_THREAD, 0)))
         yield modes
+        refusals = _family(fam.SCAN_REFUSALS)
+        for reason, count in sorted(stats.scan_refusals.items()):
+            refusals.add_metric([reason], count)
+        yield refusals
         for f, counter in ((fam.PYTHON_FRAMES_TRUNCATED, BpfCounter.CHAIN_TRUNCATED),
                            (fam.CHAIN_INVALID, BpfCounter.CHAIN_INVALID)):
             family = _family(f)

@@ -133,13 +133,19 @@ CHAIN_INVALID = Family(
     "Trampoline chain walks that stopped at a record failing validation (a torn read of "
     "a running thread, or a stack-switching library); the frames before it are kept.")
 
+SCAN_REFUSALS = Family(
+    "tramprof_scan_layouts_refused", "counter", ("reason",),
+    "Stub pools whose layout scan mode would not trust, by reason (no call instruction, "
+    "stride not found or not matching the perf map, copies that differ, ...); those "
+    "processes stay in fp mode.")
+
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
     KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS,
     NEW_PROCESS_EVENTS_LOST, DRAINS,
     DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
     JIT_RECORDS_DROPPED, JIT_BYTES_READ, UNWIND_SAMPLES, PYTHON_FRAMES_TRUNCATED,
-    CHAIN_INVALID, STACK_SAMPLES, FUNCTION_SAMPLES, DROPPED_SERIES,
+    CHAIN_INVALID, SCAN_REFUSALS, STACK_SAMPLES, FUNCTION_SAMPLES, DROPPED_SERIES,
     SERIES,
 )
 
