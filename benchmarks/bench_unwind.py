@@ -1,6 +1,6 @@
 """BPF program run time per sample, by unwinding mode and Python depth (root).
 
-chain: system python3.11 with the trampoline runtime (TRAMPROF_TRAMPOLINES=1),
+chain: the system python3 with the trampoline runtime (TRAMPROF_TRAMPOLINES=1),
 nesting.py recurse at ~10/50/128 Python frames. scan: trixie's python3.13
 -X perf (CPython's own stubs), same depths. Only the target is sampled (pid
 filter); kernel bpf_stats give ns per program run.
@@ -71,7 +71,7 @@ def main() -> int:
     args = parser.parse_args()
     rows = []
     work = Path(tempfile.mkdtemp(prefix="tramprof-bench-"))
-    host = conftest.Interp("host-3.11", conftest.HOST_PYTHON, None, Path("/"), str(work),
+    host = conftest.Interp("host", conftest.HOST_PYTHON, None, Path("/"), str(work),
                            env={"PYTHONUSERBASE": str(work / "userbase")})
     conftest._install(host)
     trixie = conftest.root_interp("trixie")

@@ -5,7 +5,7 @@ Every test that executes the C runtime does so in a child interpreter
 instead of killing pytest.
 
 Interpreters:
-- ``host-3.11``: the system /usr/bin/python3.11; the runtime is built from a
+- ``host``: the system /usr/bin/python3 (3.11 on Debian 12, 3.13 on 13); the runtime is built from a
   copy of trampolines/ and installed with ``pip install --user`` into a
   per-session PYTHONUSERBASE (the .pth file is live there).
 - ``trixie-3.13``, ``bullseye-3.9``, ``sid-3.14``: Debian chroots from
@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 SOURCE = REPO / "trampolines"
 SCRIPTS = HERE / "scripts"
-HOST_PYTHON = "/usr/bin/python3.11"
+HOST_PYTHON = "/usr/bin/python3"
 PERF_LINE = re.compile(r"^([0-9a-f]+) ([0-9a-f]+) (py::.+)$")
 
 sys.path.insert(0, str(HERE))
@@ -208,8 +208,8 @@ def _roots_enabled() -> list[str]:
 def host_interp(tmp_path_factory: pytest.TempPathFactory) -> Interp:
     if not Path(HOST_PYTHON).exists():
         pytest.skip(f"{HOST_PYTHON} is not installed")
-    work = tmp_path_factory.mktemp("host-3.11")
-    interp = Interp("host-3.11", HOST_PYTHON, None, Path("/"), str(work),
+    work = tmp_path_factory.mktemp("host")
+    interp = Interp("host", HOST_PYTHON, None, Path("/"), str(work),
                     env={"PYTHONUSERBASE": str(work / "userbase")})
     _interps.append(interp)
     _install(interp)

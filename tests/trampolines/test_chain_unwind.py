@@ -1,5 +1,5 @@
 """Complete Python stacks on a Python without frame pointers: the profiler
-walks the trampoline runtime's chain in BPF (root; Debian's python3.11)."""
+walks the trampoline runtime's chain in BPF (root; Debian's system python3)."""
 
 from __future__ import annotations
 
