@@ -75,6 +75,7 @@ class Throughput:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        Path(f"/tmp/perf-{self.proc.pid}.map").unlink(missing_ok=True)
 
 
 def steady_python_slowdown(env: dict[str, str], rounds: int, window: float) -> None:

@@ -61,6 +61,8 @@ class Target:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        # A target killed mid-run leaves the perf map it wrote (tests/targets/jit.c).
+        Path(f"/tmp/perf-{self.proc.pid}.map").unlink(missing_ok=True)
 
 
 @pytest.fixture
