@@ -99,7 +99,7 @@ def _dynsym_value(f: BinaryIO, name: str) -> tuple[int, int] | None:
             else None
         base = next((seg["p_vaddr"] for seg in elf.iter_segments()
                      if seg["p_type"] == "PT_LOAD" and seg["p_offset"] == 0), None)
-    except (ELFError, struct.error, ValueError) as exc:
+    except (ELFError, struct.error, ValueError, RecursionError) as exc:
         raise DescriptorError(f"the runtime extension is not a readable ELF file: {exc}") from exc
     if not symbols or base is None:
         return None

@@ -52,6 +52,8 @@ _PARSE_ERRORS: tuple[type[BaseException], ...] = (
     EOFError,
     TypeError,
     AssertionError,
+    # pyelftools' construct recurses on some corrupted headers (found by fuzzing).
+    RecursionError,
     ZeroDivisionError,
     UnicodeError,
     OverflowError,
