@@ -10,6 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI runs the property tests with a fixed sequence of examples, so a run is
+# reproducible; locally every run draws new examples and keeps finding bugs.
+settings.register_profile("ci", derandomize=True, deadline=None, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS_SRC = REPO / "tests" / "targets"
