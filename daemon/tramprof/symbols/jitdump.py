@@ -35,6 +35,7 @@ from typing import Final
 from tramprof.symbols.addrindex import U64_MAX, AddrIndex
 from tramprof.symbols.safeopen import IO_ERROR, Refusal
 from tramprof.symbols.tailreader import (
+    ProcessTmpFile,
     RefreshResult,
     SourceStats,
     TailReader,
@@ -170,8 +171,8 @@ class _BadRecord(Exception):
 
 def jitdump_path(pid: int, nstgid_innermost: int, proc_root: str = "/proc") -> str:
     """Path of a process's jitdump inside its own mount namespace (never the host's /tmp)."""
-    path, root = process_tmp_file(pid, f"jit-{checked_pid(nstgid_innermost)}.dump",
-                                  proc_root)
+    path, root = process_tmp_file(
+        pid, JitDump.FILE_NAME.format(checked_pid(nstgid_innermost)), proc_root)
     return f"{root}/{path}"
 
 
@@ -183,7 +184,7 @@ def _cstring(data: bytes, start: int, end: int) -> tuple[str, int]:
     return data[start:nul].decode("utf-8", "replace"), nul + 1
 
 
-class JitDump:
+class JitDump(ProcessTmpFile):
     """Incremental, hardened reader of one jitdump file.
 
     Prefer :meth:`for_process`, which resolves the path inside the process's
@@ -196,6 +197,8 @@ class JitDump:
     two per move), ``max_unwind_bytes`` (per UNWINDING_INFO; larger ones are
     not kept), ``max_debug_lines`` (source lines kept from the whole file).
     """
+
+    FILE_NAME = "jit-{}.dump"
 
     def __init__(
         self,
@@ -240,26 +243,6 @@ class JitDump:
         self._debug_lines_kept = 0
         self._files: dict[str, str] = {}
 
-    @classmethod
-    def for_process(
-        cls,
-        pid: int,
-        nstgid_innermost: int,
-        expected_uid: int | None,
-        *,
-        proc_root: str = "/proc",
-        not_before_ns: int | None = None,
-        **caps: int,
-    ) -> JitDump:
-        """Reader for ``jitdump_path(pid, nstgid_innermost, proc_root)``."""
-        name = f"jit-{checked_pid(nstgid_innermost)}.dump"
-        path, root = process_tmp_file(pid, name, proc_root)
-        return cls(path, expected_uid, root=root, not_before_ns=not_before_ns, **caps)
-
-    @property
-    def path(self) -> str:
-        """The file this reader follows."""
-        return self._tail.full_path
 
     # -- reading ---------------------------------------------------------
 

@@ -36,6 +36,7 @@ from typing import Any, Final
 from tramprof.symbols.addrindex import U64_MAX, AddrIndex
 from tramprof.symbols.safeopen import IO_ERROR, Refusal
 from tramprof.symbols.tailreader import (
+    ProcessTmpFile,
     RefreshResult,
     SourceStats,
     TailReader,
@@ -145,12 +146,12 @@ def perf_map_path(pid: int, nstgid_innermost: int, proc_root: str = "/proc") -> 
     its own ``/tmp``, and the host's ``/tmp/perf-<nstgid>.map`` (if any)
     belongs to some other process.
     """
-    path, root = process_tmp_file(pid, f"perf-{checked_pid(nstgid_innermost)}.map",
-                                  proc_root)
+    path, root = process_tmp_file(
+        pid, PerfMap.FILE_NAME.format(checked_pid(nstgid_innermost)), proc_root)
     return f"{root}/{path}"
 
 
-class PerfMap:
+class PerfMap(ProcessTmpFile):
     """Incremental, hardened reader of one perf map file.
 
     ``root`` (see :func:`tramprof.symbols.safeopen.open_untrusted`) makes
@@ -164,6 +165,8 @@ class PerfMap:
     ignored and reported in ``bytes_capped``), ``max_line_bytes`` (longer
     lines are skipped), ``max_entries`` (entries kept from one file).
     """
+
+    FILE_NAME = "perf-{}.map"
 
     def __init__(
         self,
@@ -193,26 +196,6 @@ class PerfMap:
         self._chunk_bytes = max(chunk_bytes, 2 * (max_line_bytes + 1))
         self._skipping = False
 
-    @classmethod
-    def for_process(
-        cls,
-        pid: int,
-        nstgid_innermost: int,
-        expected_uid: int | None,
-        *,
-        proc_root: str = "/proc",
-        not_before_ns: int | None = None,
-        **caps: int,
-    ) -> PerfMap:
-        """Reader for ``perf_map_path(pid, nstgid_innermost, proc_root)``."""
-        name = f"perf-{checked_pid(nstgid_innermost)}.map"
-        path, root = process_tmp_file(pid, name, proc_root)
-        return cls(path, expected_uid, root=root, not_before_ns=not_before_ns, **caps)
-
-    @property
-    def path(self) -> str:
-        """The file this reader follows."""
-        return self._tail.full_path
 
     def refresh(self, max_bytes: int | None = None) -> RefreshResult:
         """Read what was appended since the last refresh (or reload).

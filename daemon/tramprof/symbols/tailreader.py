@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from typing import Final
+from typing import TYPE_CHECKING, ClassVar, Final, Self
 
 from tramprof.symbols.safeopen import (
     IO_ERROR,
@@ -96,6 +96,32 @@ def process_tmp_file(pid: int, name: str, proc_root: str = "/proc") -> tuple[str
     process. Opening ``path`` relative to ``root`` follows no symlink.
     """
     return f"tmp/{name}", f"{proc_root}/{checked_pid(pid)}/root"
+
+
+class ProcessTmpFile:
+    """Shared by the readers of a file a runtime writes into its own ``/tmp``
+    (``FILE_NAME`` holds ``{}`` for the pid as the process knows it)."""
+
+    FILE_NAME: ClassVar[str]
+    _tail: TailReader
+
+    if TYPE_CHECKING:  # the constructor every reader provides
+        def __init__(self, path: str, expected_uid: int | None, *, root: str | None = None,
+                     not_before_ns: int | None = None, **caps: int) -> None: ...
+
+    @classmethod
+    def for_process(cls, pid: int, nstgid_innermost: int, expected_uid: int | None, *,
+                    proc_root: str = "/proc", not_before_ns: int | None = None,
+                    **caps: int) -> Self:
+        """Reader of the file of process ``pid`` (innermost NStgid ``nstgid_innermost``)."""
+        path, root = process_tmp_file(
+            pid, cls.FILE_NAME.format(checked_pid(nstgid_innermost)), proc_root)
+        return cls(path, expected_uid, root=root, not_before_ns=not_before_ns, **caps)
+
+    @property
+    def path(self) -> str:
+        """The file this reader follows."""
+        return self._tail.full_path
 
 
 class TailReader:
