@@ -331,16 +331,25 @@ def test_per_group_sums_equal_group_samples_when_the_budget_allows() -> None:
     for n in range(20):
         drain = []
         for _ in range(rng.randint(0, 40)):
-            process = f"proc{rng.randint(0, 9)}"
+            index = rng.randint(0, 9)
+            process = f"proc{index}"
             frames = tuple(rng.choice("abcdefghij") for _ in range(rng.randint(1, 8)))
             count = rng.randint(1, 9)
-            drain.append(stk(frames, count, process, pid=hash(process) % 1000))
+            drain.append(stk(frames, count, process, pid=100 + index))
             expected[process] += count
         t.add(drain, now=n * 10)
         for process, total in expected.items():
             assert sum(stack_series(t, process).values()) == total
             assert sum(function_series(t, process, "self").values()) == total
     assert dropped(t)[(STACKS, "top_k")] > 0  # the test did exercise [other]
+
+
+def test_a_process_that_execs_within_one_drain_counts_under_both_names() -> None:
+    t = SeriesTracker(SeriesConfig())
+    t.add([stk("main;fork_exec", 3, "bash", pid=4242),
+           stk("main;work", 5, "python3", pid=4242)], now=0)
+    assert stack_series(t, "bash") == {"main;fork_exec": 3}
+    assert stack_series(t, "python3") == {"main;work": 5}
 
 
 # ------------------------------------------------------------------ expiry

@@ -286,7 +286,7 @@ class SeriesTracker:
     ``add`` is called by the drain loop, ``collect`` by scrapes (it is a
     prometheus-client collector: register it); both may run concurrently.
     ``metadata_for`` gives the grouping metadata of a stack's process; it is
-    called once per pid and drain and must not raise (see
+    called once per (pid, process name) and drain and must not raise (see
     :func:`tramprof.metadata.read_metadata`). By default the group is the
     stack's ``process`` name.
     """
@@ -326,15 +326,18 @@ class SeriesTracker:
         max_bytes = self.config.max_label_bytes
         # Stacks of one group with the same frames (threads, worker processes)
         # are counted together first: the rest of the work is per distinct stack.
-        keys: dict[int, _Key] = {}
+        # Keyed by pid and name: a process that execs within one drain
+        # changes its name under the same pid.
+        keys: dict[tuple[int, str], _Key] = {}
         by_group: dict[_Key, dict[tuple[str, ...], int]] = {}
         for stack in stacks:
             count = stack.count
             if count <= 0:
                 continue
-            key = keys.get(stack.pid)
+            identity = (stack.pid, stack.process)
+            key = keys.get(identity)
             if key is None:
-                key = keys[stack.pid] = self._group_key(stack, self._metadata_for(stack))
+                key = keys[identity] = self._group_key(stack, self._metadata_for(stack))
             group_frames = by_group.get(key)
             if group_frames is None:
                 group_frames = by_group[key] = {}
