@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -167,7 +166,7 @@ def test_every_address_between_two_symbols_resolves_to_the_first(
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="real kallsyms addresses need root (kptr_restrict)")
-def test_real_kallsyms_resolves_its_own_functions_quickly() -> None:
+def test_real_kallsyms_resolves_its_own_functions() -> None:
     k = KernelSymbols()
     if not k.available:
         pytest.skip(f"kallsyms unavailable: {k.unavailable_reason}")
@@ -182,9 +181,3 @@ def test_real_kallsyms_resolves_its_own_functions_quickly() -> None:
     for name, addr in found.items():
         assert k.resolve(addr) == name
         assert k.resolve(addr + 1) == name
-    addrs = [a + 1 for a in found.values()] * 5000
-    t0 = time.perf_counter()
-    for a in addrs:
-        k.resolve(a)
-    per_lookup = (time.perf_counter() - t0) / len(addrs)
-    assert per_lookup < 10e-6  # ~1 us expected; generous for loaded CI machines

