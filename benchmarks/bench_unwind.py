@@ -5,7 +5,7 @@ nesting.py recurse at ~10/50/128 Python frames. scan: trixie's python3.13
 -X perf (CPython's own stubs), same depths. Only the target is sampled (pid
 filter); kernel bpf_stats give ns per program run.
 
-    .venv/bin/python benchmarks/bench_unwind.py [--seconds 3]
+    .venv/bin/python benchmarks/bench_unwind.py [--seconds 3] [--modes chain]
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ def start(interp: conftest.Interp, args: list[str], env: dict[str, str]) -> subp
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--modes", default="chain,scan 64K,scan 16K",
+                        help="comma-separated subset of: chain, scan 64K, scan 16K")
+    parser.add_argument("--depths", default=",".join(map(str, DEPTHS)),
+                        help="comma-separated Python depths")
     args = parser.parse_args()
     rows = []
     work = Path(tempfile.mkdtemp(prefix="tramprof-bench-"))
@@ -79,8 +83,12 @@ def main() -> int:
               65536)]
     cases += [("scan 64K", trixie, ["-X", "perf"], {}, 65536),
               ("scan 16K", trixie, ["-X", "perf"], {}, 16384)]
+    modes = {m.strip() for m in args.modes.split(",")}
+    depths = [int(d) for d in args.depths.split(",")]
     for name, interp, pre, env, window in cases:
-        for depth in DEPTHS:
+        if name not in modes:
+            continue
+        for depth in depths:
             proc = start(interp, [*pre, interp.script("nesting.py"), "recurse",
                                   str(args.seconds + 15), str(depth)], env)
             try:

@@ -71,6 +71,12 @@ struct tp_scan_scratch {
     __u32 pad;      /* 1: chain full, stop */
 };
 
+/* Per-CPU copy of one page of the sampled thread's stack: consecutive chain
+ * records lie a few hundred bytes apart, so one page read serves several. */
+struct tp_stack_page {
+    __u64 words[512];
+};
+
 struct tp_ustack_key {
     __u64 hash;
     __u32 buffer;
@@ -87,6 +93,7 @@ BPF_F_TABLE("hash", struct tp_ustack_key, struct tp_user_stack, ustacks, TP_MAX_
 BPF_HASH(chain_procs, __u32, struct tp_chain_proc, TP_MAX_CHAIN_PROCS);
 BPF_HASH(scan_procs, __u32, struct tp_scan_proc, TP_MAX_CHAIN_PROCS);
 BPF_PERCPU_ARRAY(scan_scratch, struct tp_scan_scratch, 1);
+BPF_PERCPU_ARRAY(stack_copy, struct tp_stack_page, 1);
 BPF_HASH(stub_pages, struct tp_stub_page, __u64, TP_MAX_STUB_PAGES);
 BPF_TABLE("lru_hash", struct tp_process_seen, __u8, seen_processes, TP_MAX_SEEN);
 BPF_PERF_OUTPUT(new_processes);
@@ -142,10 +149,35 @@ static __always_inline int user_regs(struct bpf_perf_event_data *ctx, __u64 *ip,
     return *ip ? 0 : -1;
 }
 
+/* The two words at `at` (8-aligned) of the sampled thread's stack: a frame
+ * record {caller fp, return address} or a chain record {prev, self}. Read
+ * through a page copy: a user-memory read costs about the same for 16 bytes
+ * as for a page, and consecutive records lie a few hundred bytes apart, so a
+ * page is read once and the records in it are taken from the copy. A pair
+ * that straddles pages, or a page that cannot be read whole, is read
+ * directly. `*copied` is the page in the copy (0: none). */
+static __always_inline int stack_pair(struct tp_stack_page *copy, __u64 *copied, __u64 at,
+                                      __u64 record[2])
+{
+    __u64 page = at & ~0xFFFULL;
+    __u32 idx = (at & 0xFFF) >> 3;
+    if (idx <= 510) {
+        if (page != *copied &&
+            bpf_probe_read_user(copy->words, sizeof(copy->words), (void *)page) == 0)
+            *copied = page;
+        if (page == *copied) {
+            record[0] = copy->words[idx];
+            record[1] = copy->words[idx + 1];
+            return 0;
+        }
+    }
+    return bpf_probe_read_user(record, 16, (void *)at);
+}
+
 /* Frame-pointer walk. Each record at fp holds (caller's fp, return address);
  * the stack grows down, so every caller's record lies above the callee's. */
-static __always_inline void walk_user(struct tp_user_stack *st, __u64 ip, __u64 sp, __u64 fp,
-                                      __u64 *hash)
+static __always_inline void walk_user(struct tp_user_stack *st, struct tp_stack_page *copy,
+                                      __u64 *copied, __u64 ip, __u64 sp, __u64 fp, __u64 *hash)
 {
     __u64 h = mix_a(0, ip), check = mix_b(0, ip);
     __u64 prev = sp;
@@ -164,7 +196,7 @@ static __always_inline void walk_user(struct tp_user_stack *st, __u64 ip, __u64 
             break;
         }
         __u64 record[2];
-        if (bpf_probe_read_user(record, sizeof(record), (void *)fp)) {
+        if (stack_pair(copy, copied, fp, record)) {
             st->flags |= TP_USTACK_FAULT;
             break;
         }
@@ -190,8 +222,9 @@ static __always_inline void walk_user(struct tp_user_stack *st, __u64 ip, __u64 
  * (fs base); each record {prev, self} lies in a stub's frame. Every record is
  * validated: above the previous one on the stack, and `self` an exact stub
  * start inside one of the process's arenas. No frame pointers needed. */
-static __always_inline int walk_chain(struct tp_user_stack *st, __u32 tgid, void *task,
-                                      __u64 *hash, __u64 *check)
+static __always_inline int walk_chain(struct tp_user_stack *st, struct tp_stack_page *copy,
+                                      __u64 *copied, __u32 tgid, void *task, __u64 *hash,
+                                      __u64 *check)
 {
     st->nr_chain = 0;
     struct tp_chain_proc *proc = chain_procs.lookup(&tgid);
@@ -217,7 +250,7 @@ static __always_inline int walk_chain(struct tp_user_stack *st, __u32 tgid, void
             break;
         }
         __u64 record[2];
-        if (bpf_probe_read_user(record, sizeof(record), (void *)head)) {
+        if (stack_pair(copy, copied, head, record)) {
             st->flags |= TP_CHAIN_INVALID;
             break;
         }
@@ -415,12 +448,13 @@ int on_sample(struct bpf_perf_event_data *ctx)
         bump(TP_CNT_KERNEL_THREAD);
     } else if (user_regs(ctx, &ip, &sp, &fp) == 0) {
         struct tp_user_stack *st = scratch.lookup(&zero);
-        if (!st)
+        struct tp_stack_page *copy = stack_copy.lookup(&zero);
+        if (!st || !copy)
             return 0;
-        __u64 hash = 0;
-        walk_user(st, ip, sp, fp, &hash);
+        __u64 hash = 0, copied = 0;
+        walk_user(st, copy, &copied, ip, sp, fp, &hash);
         __u64 check = st->check;
-        int chained = walk_chain(st, tgid, task, &hash, &check);
+        int chained = walk_chain(st, copy, &copied, tgid, task, &hash, &check);
         if (!chained)
             walk_scan(st, tgid, sp, &hash, &check);
         st->check = check;
