@@ -47,6 +47,11 @@
 #define TP_SCAN_CHUNK_WORDS 64
 #define TP_SCAN_CHUNK_BYTES (TP_SCAN_CHUNK_WORDS * 8)
 #define TP_SCAN_CHUNKS (TP_SCAN_BYTES / TP_SCAN_CHUNK_BYTES)
+/* Chunks scanned per run of the scan program: each run is verified on its own
+ * (the verifier walks every iteration of a bounded loop) and tail-calls the
+ * next, so the window is not limited by the verifier's budget. */
+#define TP_SCAN_CHUNKS_PER_RUN 32
+#define TP_SCAN_RUNS ((TP_SCAN_CHUNKS + TP_SCAN_CHUNKS_PER_RUN - 1) / TP_SCAN_CHUNKS_PER_RUN)
 /* Candidates examined per chunk; a Python frame takes far more than 64
  * bytes of native stack. */
 #ifndef TP_SCAN_HITS_PER_CHUNK
@@ -69,6 +74,18 @@ struct tp_scan_scratch {
     __u64 last_page;
     __u32 n;
     __u32 pad;      /* 1: chain full, stop */
+    __u64 stale;    /* stub return addresses without a live caller */
+};
+
+/* A sample handed from on_sample to the scan program's runs (tail calls
+ * keep the CPU, so a per-CPU slot carries it). */
+struct tp_pending {
+    struct tp_count_key key;
+    __u64 hash;
+    __u64 check;
+    __u64 sp;
+    __u32 run;      /* next run: scans chunks [run * PER_RUN, (run + 1) * PER_RUN) */
+    __u32 pad;
 };
 
 /* Per-CPU copy of one page of the sampled thread's stack: consecutive chain
@@ -94,6 +111,8 @@ BPF_HASH(chain_procs, __u32, struct tp_chain_proc, TP_MAX_CHAIN_PROCS);
 BPF_HASH(scan_procs, __u32, struct tp_scan_proc, TP_MAX_CHAIN_PROCS);
 BPF_PERCPU_ARRAY(scan_scratch, struct tp_scan_scratch, 1);
 BPF_PERCPU_ARRAY(stack_copy, struct tp_stack_page, 1);
+BPF_PERCPU_ARRAY(pending, struct tp_pending, 1);
+BPF_PROG_ARRAY(scan_programs, 1);
 BPF_HASH(stub_pages, struct tp_stub_page, __u64, TP_MAX_STUB_PAGES);
 BPF_TABLE("lru_hash", struct tp_process_seen, __u8, seen_processes, TP_MAX_SEEN);
 BPF_PERF_OUTPUT(new_processes);
@@ -289,7 +308,7 @@ static __always_inline int walk_chain(struct tp_user_stack *st, struct tp_stack_
  * page of this process. sc->pad set: TP_MAX_CHAIN frames taken. */
 static __always_inline void scan_hit(struct tp_user_stack *st, struct tp_scan_scratch *sc,
                                   struct tp_stub_page *page, __u64 w, __u64 roff,
-                                  __u64 where, __u64 *h, __u64 *c)
+                                  __u64 where, int live, __u64 *h, __u64 *c)
 {
     __u64 pg = w & ~0xFFFULL;
     if (pg != sc->last_page) {
@@ -304,12 +323,16 @@ static __always_inline void scan_hit(struct tp_user_stack *st, struct tp_scan_sc
         sc->pad = 1;
         return;
     }
+    /* A stale word (live == 0) is written past the end and not counted:
+     * without a branch, which the verifier pays for on every path. */
     __u64 stub = w - roff;
+    __u64 keep = -(__u64)live;
     st->chain[n & (TP_MAX_CHAIN - 1)].ip = stub;
     st->chain[n & (TP_MAX_CHAIN - 1)].sp = where;
-    sc->n = n + 1;
-    *h = mix_a(*h, stub);
-    *c = mix_b(*c, stub);
+    sc->n = n + live;
+    sc->stale += 1 - live;
+    *h = (mix_a(*h, stub) & keep) | (*h & ~keep);
+    *c = (mix_b(*c, stub) & keep) | (*c & ~keep);
 }
 
 /* Stack scan (stubs we do not control: CPython 3.12+ -X perf). Reads the user
@@ -318,34 +341,41 @@ static __always_inline void scan_hit(struct tp_user_stack *st, struct tp_scan_sc
  * start (its perf map key), sp = the word's address. Lowest address first,
  * i.e. innermost first. Stops at the first unreadable chunk (the stack's top,
  * or a guard page) or at the window's end (flagged TP_SCAN_TRUNCATED). Words
- * below sp are dead and ignored. */
-static __always_inline void walk_scan(struct tp_user_stack *st, __u32 tgid, __u64 sp,
-                                      __u64 *hash, __u64 *check)
+ * below sp are dead and ignored. One call scans the chunks of run `run`;
+ * returns 1 when the scan is over, 0 when the next run should go on. */
+static __always_inline int scan_run(struct tp_user_stack *st, struct tp_scan_scratch *sc,
+                                    struct tp_scan_proc *proc, __u32 tgid, __u64 sp,
+                                    __u32 run, __u64 *hash, __u64 *check)
 {
-    struct tp_scan_proc *proc = scan_procs.lookup(&tgid);
-    if (!proc)
-        return;
-    __u32 zero = 0;
-    struct tp_scan_scratch *sc = scan_scratch.lookup(&zero);
-    if (!sc)
-        return;
     __u64 lo = proc->arena_min, span = proc->arena_span;
     __u64 smask = proc->stride_mask, roff = proc->return_offset;
+    __u64 cmin = proc->caller_min, cspan = proc->caller_span;
+    __u32 cwords = (proc->caller_offset >> 3) & 31;
     __u64 h = *hash, c = *check;
     struct tp_stub_page page = {.tgid = tgid};
     /* Chunks aligned to their size never straddle a page: a chunk fails to
      * read only when its own page is not mapped. */
     __u64 base = sp & ~(__u64)(TP_SCAN_CHUNK_BYTES - 1);
-    int k;
+    __u64 first = (__u64)(run & 0xFFFF) * TP_SCAN_CHUNKS_PER_RUN;
+    int over = 0;
 
-    sc->n = 0;
-    sc->pad = 0;
-    sc->last_page = 0;
 #pragma unroll 1
-    for (k = 0; k < TP_SCAN_CHUNKS; k++) {
-        __u64 addr = base + (__u64)k * TP_SCAN_CHUNK_BYTES;
-        if (bpf_probe_read_user(sc->words, sizeof(sc->words), (void *)addr))
-            goto out;
+    for (int i = 0; i < TP_SCAN_CHUNKS_PER_RUN; i++) {
+        __u64 k = first + i;
+        if (k >= TP_SCAN_CHUNKS) {
+            /* Window used up: is there more stack above it? */
+            __u64 more = 0;
+            if (!bpf_probe_read_user(&more, sizeof(more),
+                                     (void *)(base + (__u64)TP_SCAN_CHUNKS * TP_SCAN_CHUNK_BYTES)))
+                st->flags |= TP_SCAN_TRUNCATED;
+            over = 1;
+            break;
+        }
+        __u64 addr = base + k * TP_SCAN_CHUNK_BYTES;
+        if (bpf_probe_read_user(sc->words, sizeof(sc->words), (void *)addr)) {
+            over = 1;
+            break;
+        }
         /* Pass 1, without branches (the verifier's pending-branch budget is
          * per path): a bit per candidate word, in range and at the return
          * offset. Both tests are written as borrow bits: x < span iff
@@ -371,25 +401,123 @@ static __always_inline void walk_scan(struct tp_user_stack *st, __u32 tgid, __u6
             below = (below & 0x3333333333333333ULL) + ((below >> 2) & 0x3333333333333333ULL);
             below = (below + (below >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
             __u32 j = ((below * 0x0101010101010101ULL) >> 56) & (TP_SCAN_CHUNK_WORDS - 1);
-            scan_hit(st, sc, &page, sc->words[j], roff, addr + j * 8, &h, &c);
+            /* Is the stub's caller still there? A stale return address left
+             * in a live C frame has usually lost it. (A caller word in the
+             * next chunk is not checked.) */
+            __u32 cj = j + cwords;
+            __u64 cx = sc->words[cj & (TP_SCAN_CHUNK_WORDS - 1)] - cmin;
+            int live = ((((cx - cspan) & ~cx) >> 63) | (cj >> 6) | !cwords) & 1;
+            scan_hit(st, sc, &page, sc->words[j], roff, addr + j * 8, live, &h, &c);
             bits &= bits - 1;
         }
         if (bits)
             st->flags |= TP_CHAIN_INVALID; /* more candidates than pass 2 takes */
-        if (sc->pad)
-            goto out;
+        if (sc->pad) {
+            over = 1;
+            break;
+        }
     }
-    {
-        /* Window used up: is there more stack above it? */
-        __u64 more = 0;
-        if (!bpf_probe_read_user(&more, sizeof(more),
-                                 (void *)(base + (__u64)TP_SCAN_CHUNKS * TP_SCAN_CHUNK_BYTES)))
-            st->flags |= TP_SCAN_TRUNCATED;
-    }
-out:
     st->nr_chain = sc->n;
     *hash = h;
     *check = c;
+    return over;
+}
+
+/* The end of every sample with a user stack: store the stack (deduplicated by
+ * hash), announce a new process, count. */
+static __always_inline int finish_sample(struct bpf_perf_event_data *ctx,
+                                         struct tp_count_key *key, struct tp_user_stack *st,
+                                         __u64 hash, __u64 check, int mode)
+{
+    st->check = check;
+    hash |= 1; /* never 0: 0 means "no user stack" */
+    if (st->nr_chain)
+        bump(mode);
+    if (st->flags & TP_SCAN_TRUNCATED)
+        bump(TP_CNT_SCAN_TRUNCATED);
+    if (st->flags & TP_CHAIN_TRUNCATED)
+        bump(TP_CNT_CHAIN_TRUNCATED);
+    if (st->flags & TP_CHAIN_INVALID)
+        bump(TP_CNT_CHAIN_INVALID);
+    if (st->flags & TP_USTACK_FAULT)
+        bump(TP_CNT_USTACK_FAULT);
+    if (st->flags & TP_USTACK_TRUNCATED)
+        bump(TP_CNT_USTACK_TRUNCATED);
+
+    struct tp_ustack_key skey = {.hash = hash, .buffer = key->buffer};
+    struct tp_user_stack *stored = ustacks.lookup(&skey);
+    if (stored) {
+        if (stored->check != st->check || stored->nr != st->nr ||
+            stored->nr_chain != st->nr_chain) {
+            bump(TP_CNT_LOST_USTACK_COLLISION);
+            return 0;
+        }
+    } else if (ustacks.update(&skey, st) != 0) {
+        bump(TP_CNT_LOST_USTACKS_FULL);
+        return 0;
+    }
+    key->sample.ustack_hash = hash;
+
+    struct tp_process_seen seen = {.tgid = key->sample.tgid,
+                                   .start_boottime = key->sample.start_boottime,
+                                   .exec_id = key->sample.exec_id};
+    if (!seen_processes.lookup(&seen)) {
+        __u8 yes = 1;
+        seen_processes.update(&seen, &yes);
+        new_processes.perf_submit(ctx, &seen, sizeof(seen));
+    }
+    return 1;
+}
+
+static __always_inline int count_sample(struct tp_count_key *key)
+{
+    __u64 one = 1;
+    __u64 *count = counts.lookup(key);
+    if (count) {
+        __sync_fetch_and_add(count, 1);
+    } else if (counts.update(key, &one) != 0) {
+        /* Another CPU may have inserted the key meanwhile; retry once. */
+        count = counts.lookup(key);
+        if (!count) {
+            bump(TP_CNT_LOST_COUNTS_FULL);
+            return 0;
+        }
+        __sync_fetch_and_add(count, 1);
+    }
+    bump(TP_CNT_RECORDED);
+    return 0;
+}
+
+/* One run of the stack scan, tail-called by on_sample and by itself. */
+int scan_step(struct bpf_perf_event_data *ctx)
+{
+    __u32 zero = 0;
+    struct tp_pending *p = pending.lookup(&zero);
+    struct tp_user_stack *st = scratch.lookup(&zero);
+    struct tp_scan_scratch *sc = scan_scratch.lookup(&zero);
+    if (!p || !st || !sc)
+        return 0;
+    __u32 tgid = p->key.sample.tgid;
+    struct tp_scan_proc *proc = scan_procs.lookup(&tgid);
+    int over = 1;
+    if (proc)
+        over = scan_run(st, sc, proc, tgid, p->sp, p->run, &p->hash, &p->check);
+    if (!over) {
+        p->run += 1;
+        scan_programs.call(ctx, 0);
+        /* Tail call refused (the chain of calls is at its limit): keep what
+         * was found. */
+        st->flags |= TP_SCAN_TRUNCATED;
+    }
+    if (sc->stale) {
+        __u32 counter = TP_CNT_SCAN_STALE;
+        __u64 *value = counters.lookup(&counter);
+        if (value)
+            *value += sc->stale;
+    }
+    if (finish_sample(ctx, &p->key, st, p->hash, p->check, TP_CNT_SCAN_SAMPLES))
+        return count_sample(&p->key);
+    return 0;
 }
 
 int on_sample(struct bpf_perf_event_data *ctx)
@@ -455,60 +583,25 @@ int on_sample(struct bpf_perf_event_data *ctx)
         walk_user(st, copy, &copied, ip, sp, fp, &hash);
         __u64 check = st->check;
         int chained = walk_chain(st, copy, &copied, tgid, task, &hash, &check);
-        if (!chained)
-            walk_scan(st, tgid, sp, &hash, &check);
-        st->check = check;
-        hash |= 1; /* never 0: 0 means "no user stack" */
-        if (st->nr_chain)
-            bump(chained ? TP_CNT_CHAIN_SAMPLES : TP_CNT_SCAN_SAMPLES);
-        if (st->flags & TP_SCAN_TRUNCATED)
-            bump(TP_CNT_SCAN_TRUNCATED);
-        if (st->flags & TP_CHAIN_TRUNCATED)
-            bump(TP_CNT_CHAIN_TRUNCATED);
-        if (st->flags & TP_CHAIN_INVALID)
-            bump(TP_CNT_CHAIN_INVALID);
-        if (st->flags & TP_USTACK_FAULT)
-            bump(TP_CNT_USTACK_FAULT);
-        if (st->flags & TP_USTACK_TRUNCATED)
-            bump(TP_CNT_USTACK_TRUNCATED);
-
-        struct tp_ustack_key skey = {.hash = hash, .buffer = buffer};
-        struct tp_user_stack *stored = ustacks.lookup(&skey);
-        if (stored) {
-            if (stored->check != st->check || stored->nr != st->nr ||
-                stored->nr_chain != st->nr_chain) {
-                bump(TP_CNT_LOST_USTACK_COLLISION);
-                return 0;
+        if (!chained && scan_procs.lookup(&tgid)) {
+            struct tp_pending *p = pending.lookup(&zero);
+            struct tp_scan_scratch *sc = scan_scratch.lookup(&zero);
+            if (p && sc) {
+                p->key = key;
+                p->hash = hash;
+                p->check = check;
+                p->sp = sp;
+                p->run = 0;
+                sc->n = 0;
+                sc->pad = 0;
+                sc->last_page = 0;
+                sc->stale = 0;
+                scan_programs.call(ctx, 0);
             }
-        } else if (ustacks.update(&skey, st) != 0) {
-            bump(TP_CNT_LOST_USTACKS_FULL);
+            /* No scan program (or no slot): the sample keeps its fp frames. */
+        }
+        if (!finish_sample(ctx, &key, st, hash, check, TP_CNT_CHAIN_SAMPLES))
             return 0;
-        }
-        key.sample.ustack_hash = hash;
-
-        struct tp_process_seen seen = {.tgid = tgid,
-                                       .start_boottime = key.sample.start_boottime,
-                                       .exec_id = key.sample.exec_id};
-        if (!seen_processes.lookup(&seen)) {
-            __u8 yes = 1;
-            seen_processes.update(&seen, &yes);
-            new_processes.perf_submit(ctx, &seen, sizeof(seen));
-        }
     }
-
-    __u64 one = 1;
-    __u64 *count = counts.lookup(&key);
-    if (count) {
-        __sync_fetch_and_add(count, 1);
-    } else if (counts.update(&key, &one) != 0) {
-        /* Another CPU may have inserted the key meanwhile; retry once. */
-        count = counts.lookup(&key);
-        if (!count) {
-            bump(TP_CNT_LOST_COUNTS_FULL);
-            return 0;
-        }
-        __sync_fetch_and_add(count, 1);
-    }
-    bump(TP_CNT_RECORDED);
-    return 0;
+    return count_sample(&key);
 }

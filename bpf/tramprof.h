@@ -45,6 +45,7 @@ enum tp_counter {
     TP_CNT_CHAIN_INVALID,        /* chain walk stopped at an invalid record */
     TP_CNT_SCAN_SAMPLES,         /* samples with trampoline frames found by stack scan */
     TP_CNT_SCAN_TRUNCATED,       /* stack scan window ended before the stack did */
+    TP_CNT_SCAN_STALE,           /* stub return addresses found by scan without a live caller */
     TP_CNT_MAX
 };
 
@@ -86,6 +87,13 @@ struct tp_scan_proc {
     __u64 arena_span;     /* highest arena end minus arena_min */
     __u32 stride_mask;    /* stride - 1 */
     __u32 return_offset;  /* return address minus stub start */
+    /* A running stub's caller (the interpreter) left its own return address
+     * caller_offset bytes above the stub's; a stale stub return address in a
+     * live C frame rarely has one there. 0: no check. */
+    __u64 caller_min;     /* the interpreter's executable text */
+    __u64 caller_span;
+    __u32 caller_offset;
+    __u32 pad;
 };
 
 /* One page of a trampoline arena of one process -> the arena's start. */

@@ -42,6 +42,7 @@ class Counter(enum.IntEnum):
     CHAIN_INVALID = 14
     SCAN_SAMPLES = 15
     SCAN_TRUNCATED = 16
+    SCAN_STALE = 17
 
 
 COUNTER_COUNT = len(Counter)
@@ -78,7 +79,9 @@ class ScanProc(ctypes.Structure):
     """A process unwound by stack scan (value of ``scan_procs``)."""
 
     _fields_ = [("arena_min", ctypes.c_uint64), ("arena_span", ctypes.c_uint64),
-                ("stride_mask", ctypes.c_uint32), ("return_offset", ctypes.c_uint32)]
+                ("stride_mask", ctypes.c_uint32), ("return_offset", ctypes.c_uint32),
+                ("caller_min", ctypes.c_uint64), ("caller_span", ctypes.c_uint64),
+                ("caller_offset", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
 
 
 class StubPage(ctypes.Structure):

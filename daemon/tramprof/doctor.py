@@ -201,7 +201,7 @@ def check_unwinding_mode(pid: int, maps: list[Any]) -> Check:
 
 class _NoSampler:
     def set_scan_process(self, tgid: int, return_offset: int, stride: int,
-                         arenas: Any) -> None:
+                         arenas: Any, caller: Any = None) -> None:
         pass
 
     def clear_scan_process(self, tgid: int, arenas: Any) -> None:

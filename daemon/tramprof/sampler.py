@@ -26,6 +26,7 @@ from typing import Any
 from tramprof import bpf_layout
 from tramprof.bpf_layout import Counter
 from tramprof.btf import VMLINUX_BTF, BtfError, KernelBtf
+from tramprof.scan import CallerCheck
 
 log = logging.getLogger(__name__)
 
@@ -227,10 +228,22 @@ class Sampler:
         if pids is not None:
             self.set_targets(pids)
         self._write_config()
+        self._load_scan_program(BPF)
         self._open_new_process_events()
         self._attach()
         self._enable_run_time_stats()
         _release_compiler_memory()
+
+    def _load_scan_program(self, bpf_class: Any) -> None:
+        """The stack scan runs as its own program, tail-called from the
+        sampling program (and by itself, one slice of the window per run)."""
+        with _captured_stderr() as out:
+            try:
+                scan = self._bpf.load_func(b"scan_step", bpf_class.PERF_EVENT)
+            except Exception as exc:
+                detail = "\n".join((out[0] if out else "").strip().splitlines()[-20:])
+                raise SamplerError(f"BPF scan program failed to load: {exc}\n{detail}") from exc
+        self._bpf.get_table(b"scan_programs")[ctypes.c_int(0)] = ctypes.c_int(scan.fd)
 
     def _open_new_process_events(self) -> None:
         def on_event(cpu: int, data: Any, size: int) -> None:
@@ -439,10 +452,13 @@ class Sampler:
             tls_offset=tls_offset, stub_stride=stub_stride, record_self=8)
 
     def set_scan_process(self, tgid: int, return_offset: int, stride: int,
-                         arenas: Iterable[tuple[int, int]]) -> None:
+                         arenas: Iterable[tuple[int, int]],
+                         caller: CallerCheck | None = None) -> None:
         """Let the program scan ``tgid``'s stack for stub return addresses.
         ``arenas``: every arena (page-aligned); ``stride``: a power of two
-        dividing the page size. Call again with all arenas when new ones appear."""
+        dividing the page size; ``caller``: how to tell a running stub from a
+        stale copy of its return address (None: take every copy). Call again
+        with all arenas when new ones appear."""
         arenas = sorted(arenas)
         if not arenas or stride <= 0 or stride & (stride - 1) or 0x1000 % stride:
             raise ValueError(f"unsupported scan layout: stride {stride}, {len(arenas)} arenas")
@@ -457,7 +473,10 @@ class Sampler:
         high = max(end for _start, end in arenas)
         procs[ctypes.c_uint32(tgid)] = bpf_layout.ScanProc(
             arena_min=low, arena_span=high - low, stride_mask=stride - 1,
-            return_offset=return_offset)
+            return_offset=return_offset,
+            caller_min=caller.start if caller else 0,
+            caller_span=caller.end - caller.start if caller else 0,
+            caller_offset=caller.offset if caller else 0)
 
     def clear_scan_process(self, tgid: int, arenas: Iterable[tuple[int, int]]) -> None:
         procs = self._bpf.get_table(b"scan_procs", keytype=ctypes.c_uint32,

@@ -42,7 +42,8 @@ class ScanTarget(Protocol):
     """The part of the sampler that scan mode drives."""
 
     def set_scan_process(self, tgid: int, return_offset: int, stride: int,
-                         arenas: Iterable[tuple[int, int]]) -> None: ...
+                         arenas: Iterable[tuple[int, int]],
+                         caller: CallerCheck | None = None) -> None: ...
 
     def clear_scan_process(self, tgid: int, arenas: Iterable[tuple[int, int]]) -> None: ...
 
@@ -60,6 +61,29 @@ class StubLayout:
     return_offset: int  # return address minus stub start
     stride: int         # distance between stub copies
     stub: bytes         # the stub's bytes (perf map size)
+    # The caller's return address minus the stub's, on the stack (None: the
+    # stub's prologue has an instruction we do not model).
+    caller_offset: int | None = None
+
+
+@dataclass(frozen=True)
+class CallerCheck:
+    """Where a running stub's caller left its return address, and the text it
+    must point into. A word that looks like a stub return address but lacks
+    this is a stale copy in a live C frame, not a running Python frame."""
+
+    offset: int  # caller's return address minus the stub's, on the stack
+    start: int   # the interpreter's executable text
+    end: int
+
+
+# Instructions a stub may run before its call, and the bytes each puts on the
+# stack between the stub's return address and its caller's.
+_PROLOGUE = ((b"\xf3\x0f\x1e\xfa", 0),  # endbr64
+             (b"\x55", 8),                # push %rbp
+             (b"\x48\x89\xe5", 0))        # mov %rsp,%rbp
+_SUB_RSP_IMM8 = b"\x48\x83\xec"            # sub $imm8,%rsp
+MAX_CALLER_OFFSET = 248                       # the BPF program looks 31 words up at most
 
 
 def return_offset(stub: bytes) -> int:
@@ -70,6 +94,38 @@ def return_offset(stub: bytes) -> int:
     if stub.find(CALL_RCX, at + 1) >= 0:
         raise LayoutError("ambiguous_call", f"two call *%rcx in stub bytes {stub.hex()}")
     return at + len(CALL_RCX)
+
+
+def caller_offset(stub: bytes, return_offset: int) -> int | None:
+    """Distance from the stub's return address on the stack up to its caller's,
+    from the instructions before the call (CPython 3.12/3.13 x86-64: ``sub
+    $8,%rsp`` -> 16; 3.14: ``push %rbp; mov %rsp,%rbp`` -> 16)."""
+    at, pushed, end = 0, 0, return_offset - len(CALL_RCX)
+    while at < end:
+        for code, size in _PROLOGUE:
+            if stub.startswith(code, at):
+                at += len(code)
+                pushed += size
+                break
+        else:
+            if not stub.startswith(_SUB_RSP_IMM8, at) or at + 4 > end or stub[at + 3] >= 0x80:
+                return None
+            pushed += stub[at + 3]
+            at += 4
+    offset = 8 + pushed
+    return offset if at == end and offset % 8 == 0 and offset <= MAX_CALLER_OFFSET else None
+
+
+def interpreter_text(mappings: Sequence[Mapping], exe_inode: int | None) -> tuple[int, int] | None:
+    """The executable text that calls the stubs: libpython's when the process
+    has it mapped, else the main executable's (a statically linked python)."""
+    text = [m for m in mappings if m.is_exec and m.inode != 0]
+    chosen = [m for m in text if os.path.basename(m.path).startswith("libpython")]
+    if not chosen and exe_inode is not None:
+        chosen = [m for m in text if m.inode == exe_inode]
+    if not chosen or len({(m.inode, m.path) for m in chosen}) != 1:
+        return None
+    return min(m.start for m in chosen), max(m.end for m in chosen)
 
 
 def stride_from_addresses(addresses: Iterable[int]) -> int | None:
@@ -110,7 +166,7 @@ def learn_layout(stub: bytes, arena: bytes, arena_start: int, stub_start: int,
     if offset >= len(stub):
         raise LayoutError("no_call", "call *%rcx is the stub's last instruction")
     verify_arena(arena, arena_start, StubLayout(offset, stride, stub), stub_start)
-    return StubLayout(offset, stride, stub)
+    return StubLayout(offset, stride, stub, caller_offset(stub, offset))
 
 
 def verify_arena(arena: bytes, arena_start: int, layout: StubLayout,
@@ -139,6 +195,7 @@ class ScanProcess:
 
     layout: StubLayout
     arenas: tuple[tuple[int, int], ...]
+    caller: CallerCheck | None = None
 
     def is_stub(self, address: int) -> bool:
         return any(start <= address < end for start, end in self.arenas)
@@ -247,7 +304,8 @@ class ScanProcesses:
             if not cand.stubs:
                 return
         try:
-            maps = [m for m in read_maps(pid, self._proc_root) if _is_anon_exec(m)]
+            all_maps = read_maps(pid, self._proc_root)
+            maps = [m for m in all_maps if _is_anon_exec(m)]
         except OSError as exc:
             log.debug("pid %d: cannot read maps: %s", pid, exc)
             return
@@ -282,16 +340,32 @@ class ScanProcesses:
             return
         assert layout is not None
         all_arenas = tuple(sorted({*arenas, *(known.arenas if known else ())}))
+        caller = known.caller if known is not None else self._caller_check(pid, layout, all_maps)
         try:
-            self._sampler.set_scan_process(pid, layout.return_offset, layout.stride, all_arenas)
+            self._sampler.set_scan_process(pid, layout.return_offset, layout.stride, all_arenas,
+                                           caller)
         except ValueError as exc:
             self._refuse(pid, "layout", str(exc))
             return
         if known is None:
             log.info("pid %d: scanning its stack for trampoline frames (return offset %d, "
-                     "stride %d)", pid, layout.return_offset, layout.stride)
-        self._procs[pid] = ScanProcess(layout=layout, arenas=all_arenas)
+                     "stride %d, %s)", pid, layout.return_offset, layout.stride,
+                     _describe_caller(caller))
+        self._procs[pid] = ScanProcess(layout=layout, arenas=all_arenas, caller=caller)
         cand.stubs.clear()
+
+    def _caller_check(self, pid: int, layout: StubLayout,
+                      mappings: Sequence[Mapping]) -> CallerCheck | None:
+        if layout.caller_offset is None:
+            return None
+        try:
+            exe_inode: int | None = os.stat(f"{self._proc_root}/{pid}/exe").st_ino
+        except OSError:
+            exe_inode = None
+        text = interpreter_text(mappings, exe_inode)
+        if text is None:
+            return None
+        return CallerCheck(layout.caller_offset, *text)
 
     def _read_mem(self, pid: int, start: int, size: int) -> bytes:
         fd = os.open(f"{self._proc_root}/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
@@ -304,6 +378,14 @@ class ScanProcesses:
         return data
 
 
+def _describe_caller(caller: CallerCheck | None) -> str:
+    if caller is None:
+        return "stale words not filtered: the stub's caller slot or text is unknown"
+    return (f"caller's return address {caller.offset} bytes up, in "
+            f"{caller.start:#x}-{caller.end:#x}")
+
+
 def describe(proc: ScanProcess) -> str:
     return (f"scan: CPython -X perf stubs, return offset {proc.layout.return_offset}, "
-            f"stride {proc.layout.stride}, {len(proc.arenas)} arenas")
+            f"stride {proc.layout.stride}, {len(proc.arenas)} arenas, "
+            f"{_describe_caller(proc.caller)}")

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from tramprof.scan import LayoutError, learn_layout, return_offset, stride_from_addresses
+from tramprof.scan import (
+    LayoutError,
+    caller_offset,
+    interpreter_text,
+    learn_layout,
+    return_offset,
+    stride_from_addresses,
+)
+from tramprof.symbols.procmaps import Mapping
 
 ENDBR = bytes.fromhex("f30f1efa")
 STUB_312 = bytes.fromhex("4883ec08ffd14883c408c3")  # sub $8,%rsp; call *%rcx; add; ret
@@ -62,3 +70,39 @@ def test_helpers() -> None:
     assert return_offset(ENDBR + STUB_312) == 10
     assert stride_from_addresses([5, 5]) is None
     assert stride_from_addresses([0, 48, 16]) == 16
+
+
+@pytest.mark.parametrize(("stub", "expected"), [
+    (ENDBR + STUB_312, 16),                                # sub $8: padding, then the caller's
+    (STUB_312, 16),
+    (ENDBR + STUB_FP, 16),                                 # push %rbp: saved rbp, then the caller's
+    (bytes.fromhex("4883ec18ffd14883c418c3"), 32),        # sub $24
+    (bytes.fromhex("55ffd15dc3"), 16),
+    (bytes.fromhex("4883ec04ffd1c3"), None),               # sub $4: not a whole word
+    (bytes.fromhex("4881ec00010000ffd1c3"), None),         # sub $imm32: not modelled
+    (bytes.fromhex("4889e0ffd1c3"), None),                 # mov %rsp,%rax: not modelled
+])
+def test_caller_offset_from_the_prologue(stub: bytes, expected: int | None) -> None:
+    assert caller_offset(stub, return_offset(stub)) == expected
+    if expected is not None:
+        layout = learn_layout(stub, arena(stub, 16), BASE, BASE, [BASE, BASE + 16])
+        assert layout.caller_offset == expected
+
+
+def mapping(start: int, end: int, perms: str, inode: int, path: str) -> Mapping:
+    return Mapping(start, end, perms, 0, 8, 1, inode, path)
+
+
+def test_interpreter_text_prefers_libpython_then_the_executable() -> None:
+    exe = [mapping(0x400000, 0x401000, "r--p", 11, "/usr/bin/python3.13"),
+           mapping(0x401000, 0x700000, "r-xp", 11, "/usr/bin/python3.13"),
+           mapping(0x7F0000000000, 0x7F0000100000, "r-xp", 12, "/usr/lib/libc.so.6"),
+           mapping(0x7F0000200000, 0x7F0000210000, "rwxp", 0, "")]
+    assert interpreter_text(exe, 11) == (0x401000, 0x700000)
+    assert interpreter_text(exe, 99) is None  # the executable is not mapped: no check
+    shared = [*exe, mapping(0x7F1000000000, 0x7F1000300000, "r-xp", 13,
+                            "/usr/lib/libpython3.12.so.1.0")]
+    assert interpreter_text(shared, 11) == (0x7F1000000000, 0x7F1000300000)
+    two = [*shared, mapping(0x7F2000000000, 0x7F2000300000, "r-xp", 14,
+                            "/opt/other/libpython3.11.so.1.0")]
+    assert interpreter_text(two, 11) is None  # which one calls the stubs is unknown

@@ -109,7 +109,8 @@ class ProfilerCollector(Collector):
             refusals.add_metric([reason], count)
         yield refusals
         for f, counter in ((fam.PYTHON_FRAMES_TRUNCATED, BpfCounter.CHAIN_TRUNCATED),
-                           (fam.CHAIN_INVALID, BpfCounter.CHAIN_INVALID)):
+                           (fam.CHAIN_INVALID, BpfCounter.CHAIN_INVALID),
+                           (fam.SCAN_STALE, BpfCounter.SCAN_STALE)):
             family = _family(f)
             family.add_metric([], bpf.get(counter, 0))
             yield family

@@ -132,6 +132,11 @@ CHAIN_INVALID = Family(
     "tramprof_chain_walks_stopped", "counter", (),
     "Trampoline chain walks that stopped at a record failing validation (a torn read of "
     "a running thread, or a stack-switching library); the frames before it are kept.")
+SCAN_STALE = Family(
+    "tramprof_scan_stale_words", "counter", (),
+    "Stub return addresses the stack scan found but did not take as Python frames: the "
+    "stub's caller had left no return address into the interpreter next to them, so they "
+    "are stale copies in live C frames, not running functions.")
 
 SCAN_REFUSALS = Family(
     "tramprof_scan_layouts_refused", "counter", ("reason",),
@@ -145,7 +150,8 @@ ALL: tuple[Family, ...] = (
     NEW_PROCESS_EVENTS_LOST, DRAINS,
     DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
     JIT_RECORDS_DROPPED, JIT_BYTES_READ, UNWIND_SAMPLES, PYTHON_FRAMES_TRUNCATED,
-    CHAIN_INVALID, SCAN_REFUSALS, STACK_SAMPLES, FUNCTION_SAMPLES, DROPPED_SERIES,
+    CHAIN_INVALID, SCAN_STALE, SCAN_REFUSALS, STACK_SAMPLES, FUNCTION_SAMPLES,
+    DROPPED_SERIES,
     SERIES,
 )
 
