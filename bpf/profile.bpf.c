@@ -70,7 +70,6 @@ struct tp_count_key {
  * not in registers: the verifier then need not tell apart loop states that
  * differ only in them. */
 struct tp_scan_scratch {
-    __u64 words[TP_SCAN_CHUNK_WORDS];
     __u64 last_page;
     __u32 n;
     __u32 pad;      /* 1: chain full, stop */
@@ -344,8 +343,9 @@ static __always_inline void scan_hit(struct tp_user_stack *st, struct tp_scan_sc
  * below sp are dead and ignored. One call scans the chunks of run `run`;
  * returns 1 when the scan is over, 0 when the next run should go on. */
 static __always_inline int scan_run(struct tp_user_stack *st, struct tp_scan_scratch *sc,
-                                    struct tp_scan_proc *proc, __u32 tgid, __u64 sp,
-                                    __u32 run, __u64 *hash, __u64 *check)
+                                    struct tp_stack_page *copy, struct tp_scan_proc *proc,
+                                    __u32 tgid, __u64 sp, __u32 run, __u64 *hash,
+                                    __u64 *check)
 {
     __u64 lo = proc->arena_min, span = proc->arena_span;
     __u64 smask = proc->stride_mask, roff = proc->return_offset;
@@ -353,10 +353,12 @@ static __always_inline int scan_run(struct tp_user_stack *st, struct tp_scan_scr
     __u32 cwords = (proc->caller_offset >> 3) & 31;
     __u64 h = *hash, c = *check;
     struct tp_stub_page page = {.tgid = tgid};
-    /* Chunks aligned to their size never straddle a page: a chunk fails to
-     * read only when its own page is not mapped. */
+    /* Chunks are aligned to their size, so never straddle a page; the stack
+     * is read a page at a time and the scan stops at the first page that
+     * cannot be read. */
     __u64 base = sp & ~(__u64)(TP_SCAN_CHUNK_BYTES - 1);
     __u64 first = (__u64)(run & 0xFFFF) * TP_SCAN_CHUNKS_PER_RUN;
+    __u64 copied = 0; /* the page in `copy`: one user read per page, not per chunk */
     int over = 0;
 
 #pragma unroll 1
@@ -372,10 +374,16 @@ static __always_inline int scan_run(struct tp_user_stack *st, struct tp_scan_scr
             break;
         }
         __u64 addr = base + k * TP_SCAN_CHUNK_BYTES;
-        if (bpf_probe_read_user(sc->words, sizeof(sc->words), (void *)addr)) {
-            over = 1;
-            break;
+        __u64 pg = addr & ~0xFFFULL;
+        if (pg != copied) {
+            if (bpf_probe_read_user(copy->words, sizeof(copy->words), (void *)pg)) {
+                over = 1;
+                break;
+            }
+            copied = pg;
         }
+        /* This chunk's first word in the page copy. */
+        __u32 at = ((addr & 0xFFF) >> 3) & (512 - TP_SCAN_CHUNK_WORDS);
         /* Pass 1, without branches (the verifier's pending-branch budget is
          * per path): a bit per candidate word, in range and at the return
          * offset. Both tests are written as borrow bits: x < span iff
@@ -383,7 +391,7 @@ static __always_inline int scan_run(struct tp_user_stack *st, struct tp_scan_scr
         __u64 bits = 0;
 #pragma unroll 1
         for (int j = 0; j < TP_SCAN_CHUNK_WORDS; j++) {
-            __u64 w = sc->words[j];
+            __u64 w = copy->words[(at + j) & 511];
             __u64 x = w - lo;
             __u64 y = (w & smask) ^ roff;
             __u64 hit = (((x - span) & ~x) & ((y - 1) & ~y)) >> 63;
@@ -402,12 +410,13 @@ static __always_inline int scan_run(struct tp_user_stack *st, struct tp_scan_scr
             below = (below + (below >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
             __u32 j = ((below * 0x0101010101010101ULL) >> 56) & (TP_SCAN_CHUNK_WORDS - 1);
             /* Is the stub's caller still there? A stale return address left
-             * in a live C frame has usually lost it. (A caller word in the
-             * next chunk is not checked.) */
-            __u32 cj = j + cwords;
-            __u64 cx = sc->words[cj & (TP_SCAN_CHUNK_WORDS - 1)] - cmin;
-            int live = ((((cx - cspan) & ~cx) >> 63) | (cj >> 6) | !cwords) & 1;
-            scan_hit(st, sc, &page, sc->words[j], roff, addr + j * 8, live, &h, &c);
+             * in a live C frame has usually lost it. (A caller word on the
+             * next page is not checked.) */
+            __u32 cj = at + j + cwords;
+            __u64 cx = copy->words[cj & 511] - cmin;
+            int live = ((((cx - cspan) & ~cx) >> 63) | (cj >> 9) | !cwords) & 1;
+            scan_hit(st, sc, &page, copy->words[(at + j) & 511], roff, addr + j * 8, live,
+                     &h, &c);
             bits &= bits - 1;
         }
         if (bits)
@@ -495,13 +504,14 @@ int scan_step(struct bpf_perf_event_data *ctx)
     struct tp_pending *p = pending.lookup(&zero);
     struct tp_user_stack *st = scratch.lookup(&zero);
     struct tp_scan_scratch *sc = scan_scratch.lookup(&zero);
-    if (!p || !st || !sc)
+    struct tp_stack_page *copy = stack_copy.lookup(&zero);
+    if (!p || !st || !sc || !copy)
         return 0;
     __u32 tgid = p->key.sample.tgid;
     struct tp_scan_proc *proc = scan_procs.lookup(&tgid);
     int over = 1;
     if (proc)
-        over = scan_run(st, sc, proc, tgid, p->sp, p->run, &p->hash, &p->check);
+        over = scan_run(st, sc, copy, proc, tgid, p->sp, p->run, &p->hash, &p->check);
     if (!over) {
         p->run += 1;
         scan_programs.call(ctx, 0);

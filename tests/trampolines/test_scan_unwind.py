@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
+from collections import Counter
 
 import pytest
+from tramprof.bpf_layout import Counter as BpfCounter
+from tramprof.config import Config
+from tramprof.profiler import Profiler
+from tramprof.sampler import Sampler, SamplerConfig
 
 from .conftest import Interp, root_interp
 from .test_chain_unwind import assert_exact_chain, python_frames, record, share, start, stop
@@ -45,3 +51,60 @@ def test_recursion_60_deep_is_exact_to_the_root(trixie: Interp) -> None:
     expected = ["<module>", "main", *["descend"] * 60, "leaf"]
     reached = share(stacks, lambda s: python_frames(s) == expected)
     assert reached >= 0.90, [(len(python_frames(s)), c) for s, c in stacks.items()][:5]
+
+
+def profile(pid: int, scan_bytes: int, seconds: float = 3) -> tuple[dict[tuple[str, ...], int],
+                                                                      dict[BpfCounter, int]]:
+    """Stacks and BPF counters of ``pid`` from an in-process profiler with its
+    own scan window (the daemon's pipeline, as ``tramprof run`` builds it)."""
+    profiler = Profiler(Config(pids=(pid,), frequency=499))
+    profiler.sampler = Sampler(SamplerConfig(frequency=499, scan_bytes=scan_bytes))
+    profiler.chains._sampler = profiler.sampler
+    profiler.scans._sampler = profiler.sampler
+    stacks: Counter[tuple[str, ...]] = Counter()
+    profiler.start()
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            profiler.wait(0.2)
+            for s in profiler.collect():
+                if s.pid == pid:
+                    stacks[(s.comm, *s.frames)] += s.count
+        counters = profiler.bpf_counters()
+    finally:
+        profiler.close()
+    return dict(stacks), counters
+
+
+def test_a_short_window_keeps_the_innermost_frames_and_says_so(trixie: Interp) -> None:
+    # 60 frames take ~28 KiB of native stack on 3.13; a 16 KiB window (one run
+    # of the scan program) holds the innermost ~35 of them.
+    proc = start_perf(trixie, "recurse", "30", "60")
+    try:
+        stacks, counters = profile(proc.pid, scan_bytes=16384)
+    finally:
+        stop(proc)
+    cut = share(stacks, lambda s: 20 <= python_frames(s).count("descend") < 60
+                and python_frames(s)[-1] == "leaf" and "main" not in python_frames(s))
+    assert cut >= 0.90, [(python_frames(s)[:3], c) for s, c in stacks.items()][:5]
+    recorded = sum(stacks.values())
+    assert counters[BpfCounter.SCAN_TRUNCATED] >= 0.90 * recorded, (counters, recorded)
+
+
+def test_a_long_window_runs_the_scan_program_several_times(trixie: Interp) -> None:
+    # 100 frames (~46 KiB) need three runs of 16 KiB: the tail calls carry the
+    # scan on to the root. The start-up stale word is rejected, and counted.
+    proc = start_perf(trixie, "recurse", "30", "100")
+    try:
+        stacks, counters = profile(proc.pid, scan_bytes=65536)
+    finally:
+        stop(proc)
+    expected = ["<module>", "main", *["descend"] * 100, "leaf"]
+    exact = share(stacks, lambda s: python_frames(s) == expected)
+    assert exact >= 0.90, [(len(python_frames(s)), c) for s, c in stacks.items()][:5]
+    assert counters[BpfCounter.SCAN_TRUNCATED] == 0
+    # CPython's start-up leaves one stub return address in the C frames
+    # between main and the recursion (seen by reading the stopped process's
+    # stack): every sample meets it, and counts it.
+    assert counters[BpfCounter.SCAN_STALE] >= 0.90 * sum(stacks.values()), counters
+    assert counters[BpfCounter.SCAN_SAMPLES] >= 0.90 * sum(stacks.values())
