@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--interval", type=_positive_float, metavar="SECONDS",
                      help="how often the in-kernel buffers are drained (default 10)")
     run.add_argument("--event", choices=("auto", "cycles", "cpu-clock"))
+    run.add_argument("--scan-window", type=int, metavar="BYTES", dest="scan_window_bytes",
+                     help="stack bytes scanned for CPython -X perf trampoline frames "
+                     "(default 65536; cost grows with it, deeper Python stacks need more)")
     _add_pids(run)
     run.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
 
@@ -86,6 +89,7 @@ def _flag_overrides(args: argparse.Namespace) -> dict[str, object]:
     return {
         "listen": args.listen, "frequency": args.frequency, "interval": args.interval,
         "event": args.event, "log_level": args.log_level,
+        "scan_window_bytes": args.scan_window_bytes,
         "pids": tuple(args.pids) if args.pids else None,
     }
 

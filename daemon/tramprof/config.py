@@ -38,6 +38,7 @@ class Config:
     max_keys: int = 16384
     max_user_stacks: int = 16384
     max_kernel_stacks: int = 8192
+    scan_window_bytes: int = 65536
     proc_root: str = "/proc"
     log_level: str = "info"
     group_by: tuple[str, ...] = ("comm",)
@@ -56,6 +57,7 @@ class Config:
         return SamplerConfig(frequency=self.frequency, event=self.event,
                              max_keys=self.max_keys, max_user_stacks=self.max_user_stacks,
                              max_kernel_stacks=self.max_kernel_stacks,
+                             scan_bytes=self.scan_window_bytes,
                              max_targets=max(4096, len(self.pids)))
 
     def validated(self) -> Config:
@@ -97,6 +99,8 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "max_keys": _range(64, 1 << 22),
     "max_user_stacks": _range(64, 1 << 22),
     "max_kernel_stacks": _range(64, 1 << 22),
+    "scan_window_bytes": lambda v: "" if 512 <= v <= 1 << 19 and v % 512 == 0
+    else "must be a multiple of 512 from 512 to 524288 (bytes)",
     "log_level": lambda v: "" if v in ("debug", "info", "warning", "error")
     else "must be debug, info, warning or error",
     "group_by": lambda v: "" if v and set(v) <= set(GROUP_LABELS) and len(set(v)) == len(v)

@@ -30,6 +30,10 @@ from tramprof.scan import CallerCheck
 
 log = logging.getLogger(__name__)
 
+# The scan program covers 16 KiB per run and chains its runs by tail calls,
+# at most 33 in a row; 32 runs leave one for the end-of-window check.
+MAX_SCAN_BYTES = 32 * 16384
+
 # A BPF program runs for tens of microseconds at most; after this long every
 # program that read the old buffer number has finished.
 DRAIN_GRACE_SECONDS = 0.005
@@ -77,8 +81,8 @@ class SamplerConfig:
             raise ValueError(f"frequency must be 1..10000 Hz, got {self.frequency}")
         if self.event not in EVENTS:
             raise ValueError(f"event must be one of {', '.join(EVENTS)}, got {self.event!r}")
-        if self.scan_bytes < 512 or self.scan_bytes % 512:
-            raise ValueError(f"scan_bytes must be a positive multiple of 512, "
+        if not 512 <= self.scan_bytes <= MAX_SCAN_BYTES or self.scan_bytes % 512:
+            raise ValueError(f"scan_bytes must be a multiple of 512 up to {MAX_SCAN_BYTES}, "
                              f"got {self.scan_bytes}")
 
 

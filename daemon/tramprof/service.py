@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 # Settings that only take effect at start-up (the rest apply on SIGHUP).
 RESTART_ONLY = ("listen", "event", "max_keys", "max_user_stacks", "max_kernel_stacks",
+                "scan_window_bytes",
                 "proc_root", "tls_cert_file", "tls_key_file", "basic_auth_user",
                 "basic_auth_password_file")
 

@@ -39,6 +39,8 @@ def test_file_and_flags(tmp_path):
     ({"event": "instructions"}, "event"),
     ({"listen": "nowhere"}, "listen"),
     ({"max_keys": 1}, "max_keys"),
+    ({"scan_window_bytes": 1000}, "scan_window_bytes"),      # not a multiple of 512
+    ({"scan_window_bytes": 1 << 20}, "scan_window_bytes"),   # beyond the tail-call chain
 ])
 def test_bad_settings_name_the_key(data, key):
     with pytest.raises(ConfigError, match=f"^{key}:"):
@@ -98,3 +100,13 @@ def test_config_check_and_show(tmp_path, capsys):
     assert "tls_cert_file: set both" in capsys.readouterr().err
     assert main(["config", "show"]) == 0
     assert "TRAMPROF_MAX_SERIES" in capsys.readouterr().out
+
+
+def test_scan_window_reaches_the_sampler():
+    args = build_parser().parse_args(["run", "--scan-window", "16384"])
+    config = _run_config(args)
+    assert config.scan_window_bytes == 16384
+    assert config.sampler_config().scan_bytes == 16384
+    assert Config().sampler_config().scan_bytes == 65536
+    largest = from_mapping({"scan_window_bytes": 1 << 19})
+    assert largest.sampler_config().scan_bytes == 1 << 19  # the sampler accepts it too

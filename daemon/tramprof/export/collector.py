@@ -110,7 +110,8 @@ class ProfilerCollector(Collector):
         yield refusals
         for f, counter in ((fam.PYTHON_FRAMES_TRUNCATED, BpfCounter.CHAIN_TRUNCATED),
                            (fam.CHAIN_INVALID, BpfCounter.CHAIN_INVALID),
-                           (fam.SCAN_STALE, BpfCounter.SCAN_STALE)):
+                           (fam.SCAN_STALE, BpfCounter.SCAN_STALE),
+                           (fam.SCAN_WINDOWS_EXHAUSTED, BpfCounter.SCAN_TRUNCATED)):
             family = _family(f)
             family.add_metric([], bpf.get(counter, 0))
             yield family

@@ -138,6 +138,11 @@ SCAN_STALE = Family(
     "stub's caller had left no return address into the interpreter next to them, so they "
     "are stale copies in live C frames, not running functions.")
 
+SCAN_WINDOWS_EXHAUSTED = Family(
+    "tramprof_scan_windows_exhausted", "counter", (),
+    "Stack scans that used up their window (scan_window_bytes) while the stack went on: "
+    "Python frames nearer the root may be missing. Raise the window if this grows.")
+
 SCAN_REFUSALS = Family(
     "tramprof_scan_layouts_refused", "counter", ("reason",),
     "Stub pools whose layout scan mode would not trust, by reason (no call instruction, "
@@ -150,9 +155,8 @@ ALL: tuple[Family, ...] = (
     NEW_PROCESS_EVENTS_LOST, DRAINS,
     DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
     JIT_RECORDS_DROPPED, JIT_BYTES_READ, UNWIND_SAMPLES, PYTHON_FRAMES_TRUNCATED,
-    CHAIN_INVALID, SCAN_STALE, SCAN_REFUSALS, STACK_SAMPLES, FUNCTION_SAMPLES,
-    DROPPED_SERIES,
-    SERIES,
+    CHAIN_INVALID, SCAN_STALE, SCAN_WINDOWS_EXHAUSTED, SCAN_REFUSALS, STACK_SAMPLES,
+    FUNCTION_SAMPLES, DROPPED_SERIES, SERIES,
 )
 
 
