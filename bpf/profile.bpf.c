@@ -50,7 +50,7 @@
 /* Chunks scanned per run of the scan program: each run is verified on its own
  * (the verifier walks every iteration of a bounded loop) and tail-calls the
  * next, so the window is not limited by the verifier's budget. */
-#define TP_SCAN_CHUNKS_PER_RUN 32
+#define TP_SCAN_CHUNKS_PER_RUN 16
 #define TP_SCAN_RUNS ((TP_SCAN_CHUNKS + TP_SCAN_CHUNKS_PER_RUN - 1) / TP_SCAN_CHUNKS_PER_RUN)
 /* Candidates examined per chunk; a Python frame takes far more than 64
  * bytes of native stack. */
@@ -351,6 +351,7 @@ static __always_inline int scan_run(struct tp_user_stack *st, struct tp_scan_scr
     __u64 smask = proc->stride_mask, roff = proc->return_offset;
     __u64 cmin = proc->caller_min, cspan = proc->caller_span;
     __u32 cwords = (proc->caller_offset >> 3) & 31;
+    __u32 phase = proc->word_phase, odd = (phase >> 1) & 1;
     __u64 h = *hash, c = *check;
     struct tp_stub_page page = {.tgid = tgid};
     /* Chunks are aligned to their size, so never straddle a page; the stack
@@ -389,13 +390,27 @@ static __always_inline int scan_run(struct tp_user_stack *st, struct tp_scan_scr
          * offset. Both tests are written as borrow bits: x < span iff
          * bit 63 of (x - span) & ~x, y == 0 iff bit 63 of (y - 1) & ~y. */
         __u64 bits = 0;
+        __u64 *cw = &copy->words[at];
+        if (phase) {
+            /* Return addresses only at every other word (see word_phase). */
 #pragma unroll 1
-        for (int j = 0; j < TP_SCAN_CHUNK_WORDS; j++) {
-            __u64 w = copy->words[(at + j) & 511];
-            __u64 x = w - lo;
-            __u64 y = (w & smask) ^ roff;
-            __u64 hit = (((x - span) & ~x) & ((y - 1) & ~y)) >> 63;
-            bits |= hit << j;
+            for (int i = 0; i < TP_SCAN_CHUNK_WORDS / 2; i++) {
+                __u32 j = (2 * i + odd) & (TP_SCAN_CHUNK_WORDS - 1);
+                __u64 w = cw[j];
+                __u64 x = w - lo;
+                __u64 y = (w & smask) ^ roff;
+                __u64 hit = (((x - span) & ~x) & ((y - 1) & ~y)) >> 63;
+                bits |= hit << j;
+            }
+        } else {
+#pragma unroll 1
+            for (int j = 0; j < TP_SCAN_CHUNK_WORDS; j++) {
+                __u64 w = cw[j];
+                __u64 x = w - lo;
+                __u64 y = (w & smask) ^ roff;
+                __u64 hit = (((x - span) & ~x) & ((y - 1) & ~y)) >> 63;
+                bits |= hit << j;
+            }
         }
         if (k == 0) /* words below sp are dead */
             bits &= ~0ULL << ((sp - addr) >> 3);
@@ -415,8 +430,7 @@ static __always_inline int scan_run(struct tp_user_stack *st, struct tp_scan_scr
             __u32 cj = at + j + cwords;
             __u64 cx = copy->words[cj & 511] - cmin;
             int live = ((((cx - cspan) & ~cx) >> 63) | (cj >> 9) | !cwords) & 1;
-            scan_hit(st, sc, &page, copy->words[(at + j) & 511], roff, addr + j * 8, live,
-                     &h, &c);
+            scan_hit(st, sc, &page, cw[j], roff, addr + j * 8, live, &h, &c);
             bits &= bits - 1;
         }
         if (bits)

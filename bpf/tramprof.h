@@ -93,7 +93,10 @@ struct tp_scan_proc {
     __u64 caller_min;     /* the interpreter's executable text */
     __u64 caller_span;
     __u32 caller_offset;
-    __u32 pad;
+    /* Where return addresses of the stubs can be: the stub's caller calls it
+     * with the stack 16-byte aligned (the x86-64 ABI), so its return address
+     * lies at 16n + 8 - caller_offset % 16. 0: any word; 1: at 16n; 2: at 16n + 8. */
+    __u32 word_phase;
 };
 
 /* One page of a trampoline arena of one process -> the arena's start. */

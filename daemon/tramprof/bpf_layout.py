@@ -81,7 +81,7 @@ class ScanProc(ctypes.Structure):
     _fields_ = [("arena_min", ctypes.c_uint64), ("arena_span", ctypes.c_uint64),
                 ("stride_mask", ctypes.c_uint32), ("return_offset", ctypes.c_uint32),
                 ("caller_min", ctypes.c_uint64), ("caller_span", ctypes.c_uint64),
-                ("caller_offset", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+                ("caller_offset", ctypes.c_uint32), ("word_phase", ctypes.c_uint32)]
 
 
 class StubPage(ctypes.Structure):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from tramprof.sampler import EVENTS, SamplerConfig
+from tramprof.sampler import EVENTS, MAX_SCAN_BYTES, SamplerConfig
 
 DEFAULT_LISTEN = "127.0.0.1:9947"
 DEFAULT_FREQUENCY = 99
@@ -99,8 +99,8 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "max_keys": _range(64, 1 << 22),
     "max_user_stacks": _range(64, 1 << 22),
     "max_kernel_stacks": _range(64, 1 << 22),
-    "scan_window_bytes": lambda v: "" if 512 <= v <= 1 << 19 and v % 512 == 0
-    else "must be a multiple of 512 from 512 to 524288 (bytes)",
+    "scan_window_bytes": lambda v: "" if 512 <= v <= MAX_SCAN_BYTES and v % 512 == 0
+    else f"must be a multiple of 512 from 512 to {MAX_SCAN_BYTES} (bytes)",
     "log_level": lambda v: "" if v in ("debug", "info", "warning", "error")
     else "must be debug, info, warning or error",
     "group_by": lambda v: "" if v and set(v) <= set(GROUP_LABELS) and len(set(v)) == len(v)

@@ -30,9 +30,10 @@ from tramprof.scan import CallerCheck
 
 log = logging.getLogger(__name__)
 
-# The scan program covers 16 KiB per run and chains its runs by tail calls,
-# at most 33 in a row; 32 runs leave one for the end-of-window check.
-MAX_SCAN_BYTES = 32 * 16384
+# The scan program covers 8 KiB per run (TP_SCAN_CHUNKS_PER_RUN) and chains its
+# runs by tail calls, at most 33 in a row; 32 runs leave one for the
+# end-of-window check.
+MAX_SCAN_BYTES = 32 * 8192
 
 # A BPF program runs for tens of microseconds at most; after this long every
 # program that read the old buffer number has finished.
@@ -480,7 +481,8 @@ class Sampler:
             return_offset=return_offset,
             caller_min=caller.start if caller else 0,
             caller_span=caller.end - caller.start if caller else 0,
-            caller_offset=caller.offset if caller else 0)
+            caller_offset=caller.offset if caller and caller.checks_text else 0,
+            word_phase=caller.word_phase if caller else 0)
 
     def clear_scan_process(self, tgid: int, arenas: Iterable[tuple[int, int]]) -> None:
         procs = self._bpf.get_table(b"scan_procs", keytype=ctypes.c_uint32,

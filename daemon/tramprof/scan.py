@@ -73,8 +73,19 @@ class CallerCheck:
     this is a stale copy in a live C frame, not a running Python frame."""
 
     offset: int  # caller's return address minus the stub's, on the stack
-    start: int   # the interpreter's executable text
+    start: int   # the interpreter's executable text (start == end: unknown, no check)
     end: int
+
+    @property
+    def checks_text(self) -> bool:
+        return self.end > self.start
+
+    @property
+    def word_phase(self) -> int:
+        """Where the stub's return addresses lie (``tp_scan_proc.word_phase``):
+        its caller called it on a 16-byte aligned stack, so at 16n + 8 -
+        offset % 16. 1: at 16n, 2: at 16n + 8."""
+        return 1 if (8 - self.offset) % 16 == 0 else 2 if self.offset % 8 == 0 else 0
 
 
 # Instructions a stub may run before its call, and the bytes each puts on the
@@ -362,9 +373,7 @@ class ScanProcesses:
             exe_inode: int | None = os.stat(f"{self._proc_root}/{pid}/exe").st_ino
         except OSError:
             exe_inode = None
-        text = interpreter_text(mappings, exe_inode)
-        if text is None:
-            return None
+        text = interpreter_text(mappings, exe_inode) or (0, 0)
         return CallerCheck(layout.caller_offset, *text)
 
     def _read_mem(self, pid: int, start: int, size: int) -> bytes:
@@ -380,7 +389,10 @@ class ScanProcesses:
 
 def _describe_caller(caller: CallerCheck | None) -> str:
     if caller is None:
-        return "stale words not filtered: the stub's caller slot or text is unknown"
+        return "every word scanned, stale words not filtered: the stub's prologue is unknown"
+    if not caller.checks_text:
+        return ("stale words not filtered: the interpreter's text was not found "
+                "(no libpython and no mapping of the executable)")
     return (f"caller's return address {caller.offset} bytes up, in "
             f"{caller.start:#x}-{caller.end:#x}")
 

@@ -77,7 +77,7 @@ def profile(pid: int, scan_bytes: int, seconds: float = 3) -> tuple[dict[tuple[s
 
 
 def test_a_short_window_keeps_the_innermost_frames_and_says_so(trixie: Interp) -> None:
-    # 60 frames take ~28 KiB of native stack on 3.13; a 16 KiB window (one run
+    # 60 frames take ~28 KiB of native stack on 3.13; a 16 KiB window (two runs
     # of the scan program) holds the innermost ~35 of them.
     proc = start_perf(trixie, "recurse", "30", "60")
     try:
@@ -92,7 +92,7 @@ def test_a_short_window_keeps_the_innermost_frames_and_says_so(trixie: Interp) -
 
 
 def test_a_long_window_runs_the_scan_program_several_times(trixie: Interp) -> None:
-    # 100 frames (~46 KiB) need three runs of 16 KiB: the tail calls carry the
+    # 100 frames (~46 KiB) need six runs of 8 KiB: the tail calls carry the
     # scan on to the root. The start-up stale word is rejected, and counted.
     proc = start_perf(trixie, "recurse", "30", "100")
     try:

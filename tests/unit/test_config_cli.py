@@ -40,7 +40,7 @@ def test_file_and_flags(tmp_path):
     ({"listen": "nowhere"}, "listen"),
     ({"max_keys": 1}, "max_keys"),
     ({"scan_window_bytes": 1000}, "scan_window_bytes"),      # not a multiple of 512
-    ({"scan_window_bytes": 1 << 20}, "scan_window_bytes"),   # beyond the tail-call chain
+    ({"scan_window_bytes": 1 << 19}, "scan_window_bytes"),   # beyond the tail-call chain
 ])
 def test_bad_settings_name_the_key(data, key):
     with pytest.raises(ConfigError, match=f"^{key}:"):
@@ -108,5 +108,5 @@ def test_scan_window_reaches_the_sampler():
     assert config.scan_window_bytes == 16384
     assert config.sampler_config().scan_bytes == 16384
     assert Config().sampler_config().scan_bytes == 65536
-    largest = from_mapping({"scan_window_bytes": 1 << 19})
-    assert largest.sampler_config().scan_bytes == 1 << 19  # the sampler accepts it too
+    largest = from_mapping({"scan_window_bytes": 1 << 18})
+    assert largest.sampler_config().scan_bytes == 1 << 18  # the sampler accepts it too
