@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from tramprof.scan import (
+    CallerCheck,
     LayoutError,
     caller_offset,
     interpreter_text,
@@ -106,3 +107,14 @@ def test_interpreter_text_prefers_libpython_then_the_executable() -> None:
     two = [*shared, mapping(0x7F2000000000, 0x7F2000300000, "r-xp", 14,
                             "/opt/other/libpython3.11.so.1.0")]
     assert interpreter_text(two, 11) is None  # which one calls the stubs is unknown
+
+
+@pytest.mark.parametrize(("offset", "phase"), [(16, 2), (32, 2), (8, 1), (24, 1), (12, 0)])
+def test_word_phase_follows_the_aligned_call(offset: int, phase: int) -> None:
+    # The caller calls the stub with rsp = 16n, so its own return address is at
+    # 16n - 8 and the stub's `offset` bytes below that.
+    check = CallerCheck(offset, 0x1000, 0x2000)
+    assert check.word_phase == phase
+    if phase:
+        assert (0x7FFC0000 - 8 - offset) % 16 == (0 if phase == 1 else 8)
+    assert not CallerCheck(offset, 0, 0).checks_text
