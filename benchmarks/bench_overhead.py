@@ -11,6 +11,7 @@ RSS, and the BPF program's run time per sample (kernel BPF statistics).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import subprocess
 import threading
@@ -78,7 +79,8 @@ class Throughput:
         Path(f"/tmp/perf-{self.proc.pid}.map").unlink(missing_ok=True)
 
 
-def steady_python_slowdown(env: dict[str, str], rounds: int, window: float) -> None:
+def steady_python_slowdown(env: dict[str, str], rounds: int, window: float,
+                           settle: float) -> None:
     """A Python process already running under the trampoline runtime: its
     throughput with no daemon, then with the daemon at 99 Hz once the daemon
     has seen it (start-up work excluded), alternating."""
@@ -92,7 +94,10 @@ def steady_python_slowdown(env: dict[str, str], rounds: int, window: float) -> N
             rates["none"].append(work.rate(window))
             daemon = Daemon("--frequency", "99", "--interval", "10")
             try:
-                time.sleep(2)  # the daemon looks at the process on its first sample
+                # The daemon looks at the process on its first sample, and
+                # finishes its start-up (symbol preload, compiler memory
+                # returned) meanwhile: steady state only.
+                time.sleep(settle)
                 rates["99"].append(work.rate(window))
             finally:
                 daemon.stop()
@@ -101,9 +106,21 @@ def steady_python_slowdown(env: dict[str, str], rounds: int, window: float) -> N
     base = median(rates["none"])
     print(f"workload: Python under the trampoline runtime (chain mode), running throughout, "
           f"pinned to CPU {cpu}; {rounds} windows of {window:.0f} s per mode")
-    print(f"{'mode':>8} {'rounds/s':>9} {'slowdown':>9}")
+    print(f"{'mode':>8} {'rounds/s':>9} {'min':>7} {'max':>7} {'slowdown':>9}")
     for mode, values in rates.items():
-        print(f"{mode:>8} {median(values):9.1f} {(1 - median(values) / base) * 100:8.2f}%")
+        print(f"{mode:>8} {median(values):9.1f} {min(values):7.1f} {max(values):7.1f} "
+              f"{(1 - median(values) / base) * 100:8.2f}%")
+    # Each daemon window against the no-daemon window just before it: drift of
+    # the machine over the run cancels out.
+    paired = sorted((1 - on / off) * 100 for off, on in zip(rates["none"], rates["99"],
+                                                             strict=True))
+    print(f"paired slowdown (each 99 Hz window against the window before it): median "
+          f"{median(paired):.2f}%, quartiles {paired[len(paired) // 4]:.2f}% .. "
+          f"{paired[(3 * len(paired)) // 4]:.2f}%")
+    none = rates["none"]
+    spread = [abs(a - b) / base * 100 for a, b in itertools.pairwise(none)]
+    if spread:
+        print(f"window-to-window difference with no daemon: median {median(spread):.2f}%")
 
 
 def daemon_cost(work: str, seconds: float, warmup: float = 15) -> None:
@@ -145,13 +162,21 @@ def main() -> None:
                         help="workload size (3000 ~ 3-4 s here)")
     parser.add_argument("--window", type=float, default=4,
                         help="seconds per measurement window of the Python workload")
+    parser.add_argument("--settle", type=float, default=5,
+                        help="seconds between the daemon's start and a Python window")
     parser.add_argument("--cost-seconds", type=float, default=60)
+    parser.add_argument("--parts", default="native,python,cost",
+                        help="comma-separated subset of: native, python, cost")
     args = parser.parse_args()
+    parts = {p.strip() for p in args.parts.split(",")}
     work = build_workload()
-    slowdown(f"native, {args.millions}M iterations", [work, str(args.millions)], args.rounds,
-             ["none", "99", "999"])
-    steady_python_slowdown(install_trampolines(), args.rounds, args.window)
-    daemon_cost(work, args.cost_seconds)
+    if "native" in parts:
+        slowdown(f"native, {args.millions}M iterations", [work, str(args.millions)],
+                 args.rounds, ["none", "99", "999"])
+    if "python" in parts:
+        steady_python_slowdown(install_trampolines(), args.rounds, args.window, args.settle)
+    if "cost" in parts:
+        daemon_cost(work, args.cost_seconds)
 
 
 if __name__ == "__main__":
