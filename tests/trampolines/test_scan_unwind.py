@@ -53,10 +53,20 @@ def test_recursion_60_deep_is_exact_to_the_root(trixie: Interp) -> None:
     assert reached >= 0.90, [(len(python_frames(s)), c) for s, c in stacks.items()][:5]
 
 
-def profile(pid: int, scan_bytes: int, seconds: float = 3) -> tuple[dict[tuple[str, ...], int],
-                                                                      dict[BpfCounter, int]]:
-    """Stacks and BPF counters of ``pid`` from an in-process profiler with its
-    own scan window (the daemon's pipeline, as ``tramprof run`` builds it)."""
+def profile_recursion(interp: Interp, depth: int, scan_bytes: int, seconds: float = 3
+                      ) -> tuple[dict[tuple[str, ...], int], dict[BpfCounter, int]]:
+    """Stacks and BPF counters of a ``depth``-deep recursion under ``-X perf``,
+    from an in-process profiler with its own scan window (the daemon's
+    pipeline, as ``tramprof run`` builds it)."""
+    proc = start_perf(interp, "recurse", "30", str(depth))
+    try:
+        return _profile(proc.pid, scan_bytes, seconds)
+    finally:
+        stop(proc)
+
+
+def _profile(pid: int, scan_bytes: int, seconds: float
+             ) -> tuple[dict[tuple[str, ...], int], dict[BpfCounter, int]]:
     profiler = Profiler(Config(pids=(pid,), frequency=499))
     profiler.sampler = Sampler(SamplerConfig(frequency=499, scan_bytes=scan_bytes))
     profiler.chains._sampler = profiler.sampler
@@ -79,11 +89,7 @@ def profile(pid: int, scan_bytes: int, seconds: float = 3) -> tuple[dict[tuple[s
 def test_a_short_window_keeps_the_innermost_frames_and_says_so(trixie: Interp) -> None:
     # 60 frames take ~28 KiB of native stack on 3.13; a 16 KiB window (two runs
     # of the scan program) holds the innermost ~35 of them.
-    proc = start_perf(trixie, "recurse", "30", "60")
-    try:
-        stacks, counters = profile(proc.pid, scan_bytes=16384)
-    finally:
-        stop(proc)
+    stacks, counters = profile_recursion(trixie, 60, scan_bytes=16384)
     cut = share(stacks, lambda s: 20 <= python_frames(s).count("descend") < 60
                 and python_frames(s)[-1] == "leaf" and "main" not in python_frames(s))
     assert cut >= 0.90, [(python_frames(s)[:3], c) for s, c in stacks.items()][:5]
@@ -94,11 +100,7 @@ def test_a_short_window_keeps_the_innermost_frames_and_says_so(trixie: Interp) -
 def test_a_long_window_runs_the_scan_program_several_times(trixie: Interp) -> None:
     # 100 frames (~46 KiB) need six runs of 8 KiB: the tail calls carry the
     # scan on to the root. The start-up stale word is rejected, and counted.
-    proc = start_perf(trixie, "recurse", "30", "100")
-    try:
-        stacks, counters = profile(proc.pid, scan_bytes=65536)
-    finally:
-        stop(proc)
+    stacks, counters = profile_recursion(trixie, 100, scan_bytes=65536)
     expected = ["<module>", "main", *["descend"] * 100, "leaf"]
     exact = share(stacks, lambda s: python_frames(s) == expected)
     assert exact >= 0.90, [(len(python_frames(s)), c) for s, c in stacks.items()][:5]
