@@ -334,6 +334,18 @@ static __always_inline void scan_hit(struct tp_user_stack *st, struct tp_scan_sc
     *c = (mix_b(*c, stub) & keep) | (*c & ~keep);
 }
 
+/* 1 when w may be a stub's return address: in the arenas' range and at the
+ * return offset of its stride slot. Both tests are borrow bits, without
+ * branches: x < span iff bit 63 of (x - span) & ~x, y == 0 iff bit 63 of
+ * (y - 1) & ~y. */
+static __always_inline __u64 candidate_bit(__u64 w, __u64 lo, __u64 span, __u64 smask,
+                                           __u64 roff)
+{
+    __u64 x = w - lo;
+    __u64 y = (w & smask) ^ roff;
+    return (((x - span) & ~x) & ((y - 1) & ~y)) >> 63;
+}
+
 /* Stack scan (stubs we do not control: CPython 3.12+ -X perf). Reads the user
  * stack from sp upward in chunks and takes every word that is a stub's return
  * address (see struct tp_scan_proc) as a trampoline frame: ip = the stub's
@@ -386,31 +398,20 @@ static __always_inline int scan_run(struct tp_user_stack *st, struct tp_scan_scr
         /* This chunk's first word in the page copy. */
         __u32 at = ((addr & 0xFFF) >> 3) & (512 - TP_SCAN_CHUNK_WORDS);
         /* Pass 1, without branches (the verifier's pending-branch budget is
-         * per path): a bit per candidate word, in range and at the return
-         * offset. Both tests are written as borrow bits: x < span iff
-         * bit 63 of (x - span) & ~x, y == 0 iff bit 63 of (y - 1) & ~y. */
+         * per path): a bit per candidate word. */
         __u64 bits = 0;
         __u64 *cw = &copy->words[at];
         if (phase) {
             /* Return addresses only at every other word (see word_phase). */
 #pragma unroll 1
-            for (int i = 0; i < TP_SCAN_CHUNK_WORDS / 2; i++) {
-                __u32 j = (2 * i + odd) & (TP_SCAN_CHUNK_WORDS - 1);
-                __u64 w = cw[j];
-                __u64 x = w - lo;
-                __u64 y = (w & smask) ^ roff;
-                __u64 hit = (((x - span) & ~x) & ((y - 1) & ~y)) >> 63;
-                bits |= hit << j;
+            for (int pair = 0; pair < TP_SCAN_CHUNK_WORDS / 2; pair++) {
+                __u32 j = (2 * pair + odd) & (TP_SCAN_CHUNK_WORDS - 1);
+                bits |= candidate_bit(cw[j], lo, span, smask, roff) << j;
             }
         } else {
 #pragma unroll 1
-            for (int j = 0; j < TP_SCAN_CHUNK_WORDS; j++) {
-                __u64 w = cw[j];
-                __u64 x = w - lo;
-                __u64 y = (w & smask) ^ roff;
-                __u64 hit = (((x - span) & ~x) & ((y - 1) & ~y)) >> 63;
-                bits |= hit << j;
-            }
+            for (int j = 0; j < TP_SCAN_CHUNK_WORDS; j++)
+                bits |= candidate_bit(cw[j], lo, span, smask, roff) << j;
         }
         if (k == 0) /* words below sp are dead */
             bits &= ~0ULL << ((sp - addr) >> 3);
