@@ -58,6 +58,7 @@ test-privileged: setup $(TEST_STAMP)
 lint: setup
 	$(BIN)/ruff check daemon tests benchmarks trampolines
 	$(BIN)/mypy
+	$(BIN)/lint-imports pyproject.toml
 
 bench: setup
 	$(BIN)/python benchmarks/run_all.py

@@ -27,11 +27,10 @@ from collections.abc import Callable
 from functools import partial
 
 from prometheus_client import CollectorRegistry, generate_latest
-from tramprof.export.flamegraph import render_flamegraph_html
+from tramprof.export.formats.flamegraph import render_flamegraph_html
 from tramprof.export.series import SeriesConfig, SeriesTracker
-from tramprof.profile import Profile
+from tramprof.model import Profile, Stack
 from tramprof.symbols.kallsyms import KernelSymbols
-from tramprof.unwind import Stack
 
 ADD_TARGET_MS = 100.0  # add of 10k stacks (not shown for other --stacks)
 SCRAPE_TARGET_MS = 50.0  # text scrape at 10k series

@@ -20,8 +20,8 @@ from prometheus_client.registry import CollectorRegistry
 from tramprof.export.collector import Consistent, ProfilerCollector
 from tramprof.export.http import MetricsServer
 from tramprof.export.series import SeriesConfig, SeriesTracker
-from tramprof.stats import ProfilerStats
-from tramprof.unwind import Stack
+from tramprof.model import Stack
+from tramprof.pipeline.stats import ProfilerStats
 
 
 def synthetic_stacks(series: int) -> list[Stack]:

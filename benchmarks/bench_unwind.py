@@ -21,8 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "trampolines"))
 sys.path.insert(0, str(REPO))
 
-from tramprof.bpf_layout import Counter as BpfCounter  # noqa: E402
-from tramprof.sampler import Sampler, SamplerConfig  # noqa: E402
+from tramprof.sampler.layout import Counter as BpfCounter  # noqa: E402
 
 from tests.trampolines import conftest  # noqa: E402
 
@@ -31,12 +30,11 @@ DEPTHS = (10, 50, 128)
 
 def measure(proc: subprocess.Popen[str], seconds: float, scan_bytes: int) -> tuple[float, int]:
     from tramprof.config import Config
-    from tramprof.profiler import Profiler  # the daemon's pipeline installs chain/scan info
+    from tramprof.pipeline.profiler import (
+        Profiler,  # the daemon's pipeline installs chain/scan info
+    )
 
-    profiler = Profiler(Config(pids=(proc.pid,), frequency=499))
-    profiler.sampler = Sampler(SamplerConfig(frequency=499, scan_bytes=scan_bytes))
-    profiler.chains._sampler = profiler.sampler
-    profiler.scans._sampler = profiler.sampler
+    profiler = Profiler(Config(pids=(proc.pid,), frequency=499, scan_window_bytes=scan_bytes))
     profiler.start()
     try:
         warm = time.monotonic() + 0.5

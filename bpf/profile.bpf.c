@@ -13,6 +13,12 @@
  *
  * Kernel struct fields are read at offsets from the running kernel's BTF,
  * passed in as -D constants (TP_OFF_*), never from compiled-in headers.
+ *
+ * The user-stack walkers have a header each, included below after the maps
+ * and shared helpers: fp_walk.h (frame pointers), chain_walk.h (our runtime's
+ * trampoline chain), stack_scan.h (stub return addresses on the stack, run by
+ * scan_step). bcc compiles this file as one unit but rewrites map calls only
+ * in this file, so the headers reach maps through accessors defined here.
  */
 #include <uapi/linux/bpf_perf_event.h>
 #include <linux/sched.h>
@@ -72,7 +78,7 @@ struct tp_count_key {
 struct tp_scan_scratch {
     __u64 last_page;
     __u32 n;
-    __u32 pad;      /* 1: chain full, stop */
+    __u32 pad;      /* 1: TP_MAX_TRAMP frames taken, stop */
     __u64 stale;    /* stub return addresses without a live caller */
 };
 
@@ -192,260 +198,22 @@ static __always_inline int stack_pair(struct tp_stack_page *copy, __u64 *copied,
     return bpf_probe_read_user(record, 16, (void *)at);
 }
 
-/* Frame-pointer walk. Each record at fp holds (caller's fp, return address);
- * the stack grows down, so every caller's record lies above the callee's. */
-static __always_inline void walk_user(struct tp_user_stack *st, struct tp_stack_page *copy,
-                                      __u64 *copied, __u64 ip, __u64 sp, __u64 fp, __u64 *hash)
+/* Map accessors for the walkers in the headers below: bcc rewrites map calls
+ * (map.lookup()) only in this file, not in the files it includes. */
+static __always_inline struct tp_chain_proc *chain_proc_of(__u32 *tgid)
 {
-    __u64 h = mix_a(0, ip), check = mix_b(0, ip);
-    __u64 prev = sp;
-    __u32 n = 1;
-
-    st->frames[0].ip = ip;
-    st->frames[0].sp = sp;
-    st->flags = 0;
-
-#pragma unroll 1
-    for (int i = 1; i < TP_MAX_FRAMES; i++) {
-        if (fp == 0)
-            break;
-        if (fp < prev || (fp & 7)) {
-            st->flags |= TP_USTACK_FAULT;
-            break;
-        }
-        __u64 record[2];
-        if (stack_pair(copy, copied, fp, record)) {
-            st->flags |= TP_USTACK_FAULT;
-            break;
-        }
-        if (record[1] == 0)
-            break;
-        st->frames[i].ip = record[1];
-        st->frames[i].sp = fp;
-        h = mix_a(h, record[1]);
-        check = mix_b(check, record[1]);
-        n = i + 1;
-        prev = fp + 16;
-        fp = record[0];
-    }
-    if (n >= TP_MAX_FRAMES && fp != 0)
-        st->flags |= TP_USTACK_TRUNCATED;
-    st->nr = n;
-    st->check = check;
-    *hash = h;
+    return chain_procs.lookup(tgid);
 }
 
-/* Trampoline chain walk (processes running our runtime, trampolines/ABI.md):
- * the thread's chain head sits at a fixed offset from its thread pointer
- * (fs base); each record {prev, self} lies in a stub's frame. Every record is
- * validated: above the previous one on the stack, and `self` an exact stub
- * start inside one of the process's arenas. No frame pointers needed. */
-static __always_inline int walk_chain(struct tp_user_stack *st, struct tp_stack_page *copy,
-                                      __u64 *copied, __u32 tgid, void *task, __u64 *hash,
-                                      __u64 *check)
+static __always_inline __u64 *stub_arena_of(struct tp_stub_page *page)
 {
-    st->nr_chain = 0;
-    struct tp_chain_proc *proc = chain_procs.lookup(&tgid);
-    if (!proc || proc->stub_stride == 0)
-        return 0;
-    __u64 fsbase = read_u64(task + TP_OFF_TASK_FSBASE);
-    __u64 head = 0;
-    if (bpf_probe_read_user(&head, sizeof(head), (void *)(fsbase + proc->tls_offset))) {
-        st->flags |= TP_CHAIN_INVALID;
-        return 1;
-    }
-    __u64 h = *hash, c = *check, below = 0;
-    __u32 n = 0;
-    struct tp_stub_page page = {.tgid = tgid};
-    __u64 last_page = 0, last_arena = 0; /* recursion reuses one stub: skip lookups */
-
-#pragma unroll 1
-    for (int i = 0; i < TP_MAX_CHAIN; i++) {
-        if (head == 0)
-            break;
-        if (head <= below || (head & 7)) {
-            st->flags |= TP_CHAIN_INVALID;
-            break;
-        }
-        __u64 record[2];
-        if (stack_pair(copy, copied, head, record)) {
-            st->flags |= TP_CHAIN_INVALID;
-            break;
-        }
-        __u64 stub = record[1];
-        if ((stub & ~0xFFFULL) != last_page) {
-            page.page = stub & ~0xFFFULL;
-            __u64 *arena = stub_pages.lookup(&page);
-            if (!arena) {
-                st->flags |= TP_CHAIN_INVALID;
-                break;
-            }
-            last_page = page.page;
-            last_arena = *arena;
-        }
-        if (stub < last_arena || (stub - last_arena) % proc->stub_stride) {
-            st->flags |= TP_CHAIN_INVALID;
-            break;
-        }
-        st->chain[i & (TP_MAX_CHAIN - 1)].ip = stub;
-        st->chain[i & (TP_MAX_CHAIN - 1)].sp = head;
-        h = mix_a(h, stub);
-        c = mix_b(c, stub);
-        n = i + 1;
-        below = head;
-        head = record[0];
-    }
-    if (n >= TP_MAX_CHAIN && head != 0)
-        st->flags |= TP_CHAIN_TRUNCATED;
-    st->nr_chain = n;
-    *hash = h;
-    *check = c;
-    return 1;
+    return stub_pages.lookup(page);
 }
 
-/* One candidate word of the stack scan: keep it when its page is an arena
- * page of this process. sc->pad set: TP_MAX_CHAIN frames taken. */
-static __always_inline void scan_hit(struct tp_user_stack *st, struct tp_scan_scratch *sc,
-                                  struct tp_stub_page *page, __u64 w, __u64 roff,
-                                  __u64 where, int live, __u64 *h, __u64 *c)
-{
-    __u64 pg = w & ~0xFFFULL;
-    if (pg != sc->last_page) {
-        page->page = pg;
-        if (!stub_pages.lookup(page))
-            return;
-        sc->last_page = pg;
-    }
-    __u32 n = sc->n;
-    if (n >= TP_MAX_CHAIN) { /* the rest of the chunk is skipped too */
-        st->flags |= TP_CHAIN_TRUNCATED;
-        sc->pad = 1;
-        return;
-    }
-    /* A stale word (live == 0) is written past the end and not counted:
-     * without a branch, which the verifier pays for on every path. */
-    __u64 stub = w - roff;
-    __u64 keep = -(__u64)live;
-    st->chain[n & (TP_MAX_CHAIN - 1)].ip = stub;
-    st->chain[n & (TP_MAX_CHAIN - 1)].sp = where;
-    sc->n = n + live;
-    sc->stale += 1 - live;
-    *h = (mix_a(*h, stub) & keep) | (*h & ~keep);
-    *c = (mix_b(*c, stub) & keep) | (*c & ~keep);
-}
-
-/* 1 when w may be a stub's return address: in the arenas' range and at the
- * return offset of its stride slot. Both tests are borrow bits, without
- * branches: x < span iff bit 63 of (x - span) & ~x, y == 0 iff bit 63 of
- * (y - 1) & ~y. */
-static __always_inline __u64 candidate_bit(__u64 w, __u64 lo, __u64 span, __u64 smask,
-                                           __u64 roff)
-{
-    __u64 x = w - lo;
-    __u64 y = (w & smask) ^ roff;
-    return (((x - span) & ~x) & ((y - 1) & ~y)) >> 63;
-}
-
-/* Stack scan (stubs we do not control: CPython 3.12+ -X perf). Reads the user
- * stack from sp upward in chunks and takes every word that is a stub's return
- * address (see struct tp_scan_proc) as a trampoline frame: ip = the stub's
- * start (its perf map key), sp = the word's address. Lowest address first,
- * i.e. innermost first. Stops at the first unreadable chunk (the stack's top,
- * or a guard page) or at the window's end (flagged TP_SCAN_TRUNCATED). Words
- * below sp are dead and ignored. One call scans the chunks of run `run`;
- * returns 1 when the scan is over, 0 when the next run should go on. */
-static __always_inline int scan_run(struct tp_user_stack *st, struct tp_scan_scratch *sc,
-                                    struct tp_stack_page *copy, struct tp_scan_proc *proc,
-                                    __u32 tgid, __u64 sp, __u32 run, __u64 *hash,
-                                    __u64 *check)
-{
-    __u64 lo = proc->arena_min, span = proc->arena_span;
-    __u64 smask = proc->stride_mask, roff = proc->return_offset;
-    __u64 cmin = proc->caller_min, cspan = proc->caller_span;
-    __u32 cwords = (proc->caller_offset >> 3) & 31;
-    __u32 phase = proc->word_phase, odd = (phase >> 1) & 1;
-    __u64 h = *hash, c = *check;
-    struct tp_stub_page page = {.tgid = tgid};
-    /* Chunks are aligned to their size, so never straddle a page; the stack
-     * is read a page at a time and the scan stops at the first page that
-     * cannot be read. */
-    __u64 base = sp & ~(__u64)(TP_SCAN_CHUNK_BYTES - 1);
-    __u64 first = (__u64)(run & 0xFFFF) * TP_SCAN_CHUNKS_PER_RUN;
-    __u64 copied = 0; /* the page in `copy`: one user read per page, not per chunk */
-    int over = 0;
-
-#pragma unroll 1
-    for (int i = 0; i < TP_SCAN_CHUNKS_PER_RUN; i++) {
-        __u64 k = first + i;
-        if (k >= TP_SCAN_CHUNKS) {
-            /* Window used up: is there more stack above it? */
-            __u64 more = 0;
-            if (!bpf_probe_read_user(&more, sizeof(more),
-                                     (void *)(base + (__u64)TP_SCAN_CHUNKS * TP_SCAN_CHUNK_BYTES)))
-                st->flags |= TP_SCAN_TRUNCATED;
-            over = 1;
-            break;
-        }
-        __u64 addr = base + k * TP_SCAN_CHUNK_BYTES;
-        __u64 pg = addr & ~0xFFFULL;
-        if (pg != copied) {
-            if (bpf_probe_read_user(copy->words, sizeof(copy->words), (void *)pg)) {
-                over = 1;
-                break;
-            }
-            copied = pg;
-        }
-        /* This chunk's first word in the page copy. */
-        __u32 at = ((addr & 0xFFF) >> 3) & (512 - TP_SCAN_CHUNK_WORDS);
-        /* Pass 1, without branches (the verifier's pending-branch budget is
-         * per path): a bit per candidate word. */
-        __u64 bits = 0;
-        __u64 *cw = &copy->words[at];
-        if (phase) {
-            /* Return addresses only at every other word (see word_phase). */
-#pragma unroll 1
-            for (int pair = 0; pair < TP_SCAN_CHUNK_WORDS / 2; pair++) {
-                __u32 j = (2 * pair + odd) & (TP_SCAN_CHUNK_WORDS - 1);
-                bits |= candidate_bit(cw[j], lo, span, smask, roff) << j;
-            }
-        } else {
-#pragma unroll 1
-            for (int j = 0; j < TP_SCAN_CHUNK_WORDS; j++)
-                bits |= candidate_bit(cw[j], lo, span, smask, roff) << j;
-        }
-        if (k == 0) /* words below sp are dead */
-            bits &= ~0ULL << ((sp - addr) >> 3);
-        /* Pass 2: the candidates, lowest address first. */
-#pragma unroll 1
-        for (int t = 0; t < TP_SCAN_HITS_PER_CHUNK; t++) {
-            if (!bits)
-                break;
-            __u64 below = (bits & -bits) - 1; /* index = popcount(below) */
-            below = below - ((below >> 1) & 0x5555555555555555ULL);
-            below = (below & 0x3333333333333333ULL) + ((below >> 2) & 0x3333333333333333ULL);
-            below = (below + (below >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
-            __u32 j = ((below * 0x0101010101010101ULL) >> 56) & (TP_SCAN_CHUNK_WORDS - 1);
-            /* Is the stub's caller still there? A stale return address left
-             * in a live C frame has usually lost it. (A caller word on the
-             * next page is not checked.) */
-            __u32 cj = at + j + cwords;
-            __u64 cx = copy->words[cj & 511] - cmin;
-            int live = ((((cx - cspan) & ~cx) >> 63) | (cj >> 9) | !cwords) & 1;
-            scan_hit(st, sc, &page, cw[j], roff, addr + j * 8, live, &h, &c);
-            bits &= bits - 1;
-        }
-        if (bits)
-            st->flags |= TP_CHAIN_INVALID; /* more candidates than pass 2 takes */
-        if (sc->pad) {
-            over = 1;
-            break;
-        }
-    }
-    st->nr_chain = sc->n;
-    *hash = h;
-    *check = c;
-    return over;
-}
+/* The user-stack walkers: one header each. */
+#include "fp_walk.h"    /* frame pointers: every sample */
+#include "chain_walk.h" /* our runtime's trampoline chain */
+#include "stack_scan.h" /* stub return addresses on the stack: scan_step's runs */
 
 /* The end of every sample with a user stack: store the stack (deduplicated by
  * hash), announce a new process, count. */
@@ -455,7 +223,7 @@ static __always_inline int finish_sample(struct bpf_perf_event_data *ctx,
 {
     st->check = check;
     hash |= 1; /* never 0: 0 means "no user stack" */
-    if (st->nr_chain)
+    if (st->nr_tramp)
         bump(mode);
     if (st->flags & TP_SCAN_TRUNCATED)
         bump(TP_CNT_SCAN_TRUNCATED);
@@ -463,6 +231,8 @@ static __always_inline int finish_sample(struct bpf_perf_event_data *ctx,
         bump(TP_CNT_CHAIN_TRUNCATED);
     if (st->flags & TP_CHAIN_INVALID)
         bump(TP_CNT_CHAIN_INVALID);
+    if (st->flags & TP_SCAN_OVERFLOW)
+        bump(TP_CNT_SCAN_OVERFLOW);
     if (st->flags & TP_USTACK_FAULT)
         bump(TP_CNT_USTACK_FAULT);
     if (st->flags & TP_USTACK_TRUNCATED)
@@ -472,7 +242,7 @@ static __always_inline int finish_sample(struct bpf_perf_event_data *ctx,
     struct tp_user_stack *stored = ustacks.lookup(&skey);
     if (stored) {
         if (stored->check != st->check || stored->nr != st->nr ||
-            stored->nr_chain != st->nr_chain) {
+            stored->nr_tramp != st->nr_tramp) {
             bump(TP_CNT_LOST_USTACK_COLLISION);
             return 0;
         }
@@ -530,7 +300,7 @@ int scan_step(struct bpf_perf_event_data *ctx)
     if (!over) {
         p->run += 1;
         scan_programs.call(ctx, 0);
-        /* Tail call refused (the chain of calls is at its limit): keep what
+        /* Tail call refused (the tail-call limit is reached): keep what
          * was found. */
         st->flags |= TP_SCAN_TRUNCATED;
     }

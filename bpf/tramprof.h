@@ -1,6 +1,6 @@
 /* Records shared by the BPF programs and the daemon.
  *
- * Every struct here has a ctypes mirror in daemon/tramprof/bpf_layout.py and
+ * Every struct here has a ctypes mirror in daemon/tramprof/sampler/layout.py and
  * a test that compiles this header and compares sizes and offsets, so the two
  * sides cannot drift apart silently. Only fixed-width types, explicit padding.
  */
@@ -15,16 +15,18 @@
  * negative value is a lost kernel stack: -errno of bpf_get_stackid(). */
 #define TP_NO_KSTACK (-1)
 
-/* Deepest chain of trampoline frames recorded (one per Python frame). */
-#define TP_MAX_CHAIN 256
+/* Most trampoline frames recorded per stack (one per Python frame), found by
+ * the chain walk or by the stack scan. */
+#define TP_MAX_TRAMP 256
 
 /* Bits of tp_user_stack.flags. */
 #define TP_USTACK_TRUNCATED 0x1   /* depth limit reached with frames left */
 #define TP_USTACK_FAULT 0x2       /* a frame record could not be read */
 #define TP_USTACK_NO_USER 0x4     /* kernel thread or no user registers */
-#define TP_CHAIN_TRUNCATED 0x8    /* more trampoline frames than TP_MAX_CHAIN */
-#define TP_CHAIN_INVALID 0x10     /* the chain held a record that failed validation */
+#define TP_CHAIN_TRUNCATED 0x8    /* chain walk: more records than TP_MAX_TRAMP */
+#define TP_CHAIN_INVALID 0x10     /* chain walk: a record failed validation */
 #define TP_SCAN_TRUNCATED 0x20    /* stack scan window ended on readable stack */
+#define TP_SCAN_OVERFLOW 0x40     /* scan found more stub return addresses than it keeps */
 
 /* Indexes of the per-CPU counters array (cumulative, never reset). */
 enum tp_counter {
@@ -41,11 +43,12 @@ enum tp_counter {
     TP_CNT_USTACK_TRUNCATED,     /* user walk hit TP_MAX_FRAMES */
     TP_CNT_KERNEL_THREAD,        /* sample in a kernel thread */
     TP_CNT_CHAIN_SAMPLES,        /* samples unwound through a trampoline chain */
-    TP_CNT_CHAIN_TRUNCATED,      /* chain longer than TP_MAX_CHAIN */
+    TP_CNT_CHAIN_TRUNCATED,      /* chain longer than TP_MAX_TRAMP */
     TP_CNT_CHAIN_INVALID,        /* chain walk stopped at an invalid record */
     TP_CNT_SCAN_SAMPLES,         /* samples with trampoline frames found by stack scan */
     TP_CNT_SCAN_TRUNCATED,       /* stack scan window ended before the stack did */
     TP_CNT_SCAN_STALE,           /* stub return addresses found by scan without a live caller */
+    TP_CNT_SCAN_OVERFLOW,        /* scan found more stub return addresses than it keeps */
     TP_CNT_MAX
 };
 
@@ -64,11 +67,12 @@ struct tp_user_stack {
     __u32 flags;
     __u64 check;   /* second, independent hash: detects key collisions */
     struct tp_frame frames[TP_MAX_FRAMES];
-    /* Trampoline frames, innermost first: ip = stub start, sp = the
-     * record's stack address (orders them among the native frames). */
-    __u32 nr_chain;
+    /* Trampoline frames, from the chain walk or the stack scan, innermost
+     * first: ip = stub start, sp = the stack address of the chain record or
+     * of the scanned return address (orders them among the native frames). */
+    __u32 nr_tramp;
     __u32 pad;
-    struct tp_frame chain[TP_MAX_CHAIN];
+    struct tp_frame tramp[TP_MAX_TRAMP];
 };
 
 /* A process running the trampoline runtime (see trampolines/ABI.md). */

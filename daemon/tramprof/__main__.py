@@ -1,5 +1,5 @@
 import sys
 
-from tramprof.cli import main
+from tramprof.commands.cli import main
 
 sys.exit(main())

@@ -15,12 +15,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from tramprof.sampler import EVENTS, MAX_SCAN_BYTES, SamplerConfig
-
 DEFAULT_LISTEN = "127.0.0.1:9947"
 DEFAULT_FREQUENCY = 99
 DEFAULT_INTERVAL = 10.0
+#: Labels a process's series can be grouped by (``group_by``).
 GROUP_LABELS = ("comm", "exe", "container_id", "pod_uid", "pid")
+#: Perf events the sampler can attach to; "auto" takes cycles where the CPU
+#: has a PMU, else cpu-clock (VMs).
+EVENTS = ("auto", "cycles", "cpu-clock")
+# The scan program covers 8 KiB per run and chains its runs by tail calls, at
+# most 33 in a row; 32 runs leave one for the end-of-window check.
+MAX_SCAN_BYTES = 32 * 8192
 ENV_PREFIX = "TRAMPROF_"
 
 
@@ -53,20 +58,9 @@ class Config:
     basic_auth_user: str = ""
     basic_auth_password_file: str = ""
 
-    def sampler_config(self) -> SamplerConfig:
-        return SamplerConfig(frequency=self.frequency, event=self.event,
-                             max_keys=self.max_keys, max_user_stacks=self.max_user_stacks,
-                             max_kernel_stacks=self.max_kernel_stacks,
-                             scan_bytes=self.scan_window_bytes,
-                             max_targets=max(4096, len(self.pids)))
-
     def validated(self) -> Config:
         for f in fields(self):
-            check = _CHECKS.get(f.name)
-            if check is not None:
-                why = check(getattr(self, f.name))
-                if why:
-                    raise ConfigError(f"{f.name}: {why}")
+            check_setting(f.name, getattr(self, f.name))
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("tls_cert_file: set both tls_cert_file and tls_key_file, "
                               "or neither")
@@ -76,13 +70,30 @@ class Config:
         return self
 
 
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) with a clear error."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen address must be HOST:PORT, got {value!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+def check_setting(name: str, value: Any) -> None:
+    """Raise ConfigError when ``value`` is not valid for setting ``name``: the
+    one set of rules, used by ``Config`` and by every component that takes a
+    setting's value directly (the sampler, the series tracker)."""
+    check = _CHECKS.get(name)
+    why = check(value) if check is not None else ""
+    if why:
+        raise ConfigError(f"{name}: {why}")
+
+
 def _range(low: float, high: float, unit: str = "") -> Callable[[Any], str]:
     return lambda v: "" if low <= v <= high else f"must be {low:g}..{high:g}{unit}"
 
 
 def _listen(value: str) -> str:
-    from tramprof.export.http import parse_listen
-
     try:
         parse_listen(value)
     except ValueError as exc:

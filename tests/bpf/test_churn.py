@@ -6,8 +6,8 @@ import subprocess
 import time
 
 from tramprof.config import Config
-from tramprof.procinfo import read_start_ticks
-from tramprof.profiler import Profiler
+from tramprof.pipeline.profiler import Profiler
+from tramprof.procfs.identity import read_start_ticks
 
 from tests.conftest import requires_root
 

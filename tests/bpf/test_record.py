@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import time
 
-from tramprof.folded import parse_folded
+from tramprof.export.formats.folded import parse_folded
 
 from tests.conftest import TRAMPROF, requires_root
 

@@ -6,9 +6,9 @@ import time
 from collections import Counter
 
 import pytest
-from tramprof.bpf_layout import MAX_FRAMES, USTACK_TRUNCATED
-from tramprof.bpf_layout import Counter as C
-from tramprof.sampler import Sampler, SamplerConfig, SamplerError
+from tramprof.sampler.layout import MAX_FRAMES, USTACK_TRUNCATED
+from tramprof.sampler.layout import Counter as C
+from tramprof.sampler.program import Sampler, SamplerConfig, SamplerError
 
 from tests.conftest import requires_root
 

@@ -144,7 +144,7 @@ def _check_profiles(d: Daemon, pid: int) -> None:
     import gzip
     import json
 
-    from tramprof.export.pprof import ProfileMessage
+    from tramprof.export.formats.pprof import ProfileMessage
 
     folded = d.get(f"/profile?seconds=60&pid={pid}")
     lines = [line for line in folded.splitlines() if line.startswith("chain;")]

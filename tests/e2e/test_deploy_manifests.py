@@ -21,8 +21,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from tramprof.commands.privileges import CAPABILITIES, RUNTIME_CAPABILITIES
 from tramprof.config import Config, from_mapping, load_file
-from tramprof.privileges import CAPABILITIES, RUNTIME_CAPABILITIES
 
 from tests.conftest import TRAMPROF
 

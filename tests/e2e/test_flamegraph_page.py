@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tramprof.export.flamegraph import render_flamegraph_html
-from tramprof.profile import Profile
-from tramprof.unwind import TRUNCATED, Stack
+from tramprof.export.formats.flamegraph import render_flamegraph_html
+from tramprof.model import TRUNCATED, Profile, Stack
 
 EVIL = "<img src=x onerror=alert(1)>"
 SCRIPT_END = "</script><script>alert(2)</script>"

@@ -25,7 +25,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 import pytest
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from tramprof.export.series import SeriesConfig, SeriesTracker
-from tramprof.unwind import Stack
+from tramprof.model import Stack
 
 from tests.unit.test_dashboard import dashboard_expressions
 

@@ -621,7 +621,7 @@ def test_container_recipe_builds_a_working_image(tmp_path: Path) -> None:
         "/opt/tramprof/bin/tramprof run --config /etc/tramprof/tramprof.toml --print-bpf "
         ">/dev/null\n"
         "timeout 120 /opt/tramprof/bin/python -c '"
-        "from tramprof.sampler import Sampler, SamplerConfig\n"
+        "from tramprof.sampler.program import Sampler, SamplerConfig\n"
         "s = Sampler(SamplerConfig()); s.start()\n"
         "print(\"image: program loaded on\", s.event_name); s.close()'\n")
     began = time.monotonic()

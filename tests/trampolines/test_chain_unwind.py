@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tramprof.folded import parse_folded
+from tramprof.export.formats.folded import parse_folded
 
 from .conftest import Interp
 

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from tramprof import trampoline_descriptor
+from tramprof.unwind import descriptor as trampoline_descriptor
 
 from .conftest import Interp, check, read_perf_map
 
-# The out-of-process reader is the profiler's (tramprof.trampoline_descriptor).
+# The out-of-process reader is the profiler's (tramprof.unwind.descriptor).
 desc = trampoline_descriptor
 
 ON = {"TRAMPROF_TRAMPOLINES": "1"}
@@ -104,7 +104,7 @@ def test_perf_map_content(interp: Interp, started: list) -> None:
     assert any(n.startswith("py::Thread.run:") or n.startswith("py::run:") for n in names)
     for address, size, _name in entries:
         assert size == d.stub_size
-        start = d.stub_start(address)
+        start = d.arenas.slot_start(address, d.stub_stride)
         assert start == address, hex(address)
 
 
@@ -158,7 +158,7 @@ def test_descriptor_from_another_process(interp: Interp, started: list) -> None:
             for record in records:
                 mem.seek(record + d.record_fp_offset + 8)
                 (ret,) = struct.unpack("<Q", mem.read(8))
-                assert not d.in_arena(ret)  # returns into the C hook
+                assert ret not in d.arenas  # returns into the C hook
     proc.stdin.close()
     assert proc.wait(timeout=30) == 0, proc.stderr.read()
 

@@ -10,10 +10,9 @@ import time
 from collections import Counter
 
 import pytest
-from tramprof.bpf_layout import Counter as BpfCounter
 from tramprof.config import Config
-from tramprof.profiler import Profiler
-from tramprof.sampler import Sampler, SamplerConfig
+from tramprof.pipeline.profiler import Profiler
+from tramprof.sampler.layout import Counter as BpfCounter
 
 from .conftest import Interp, root_interp
 from .test_chain_unwind import assert_exact_chain, python_frames, record, share, start, stop
@@ -67,10 +66,7 @@ def profile_recursion(interp: Interp, depth: int, scan_bytes: int, seconds: floa
 
 def _profile(pid: int, scan_bytes: int, seconds: float
              ) -> tuple[dict[tuple[str, ...], int], dict[BpfCounter, int]]:
-    profiler = Profiler(Config(pids=(pid,), frequency=499))
-    profiler.sampler = Sampler(SamplerConfig(frequency=499, scan_bytes=scan_bytes))
-    profiler.chains._sampler = profiler.sampler
-    profiler.scans._sampler = profiler.sampler
+    profiler = Profiler(Config(pids=(pid,), frequency=499, scan_window_bytes=scan_bytes))
     stacks: Counter[tuple[str, ...]] = Counter()
     profiler.start()
     try:

@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tramprof import bpf_layout
-from tramprof.sampler import bpf_source_dir, program_source
+from tramprof.sampler import layout as bpf_layout
+from tramprof.sampler.program import bpf_source_dir, program_source
 
 STRUCTS = {
     "tp_config": bpf_layout.Config,
@@ -37,9 +37,10 @@ def _c_layout(tmp_path, header_code: str, structs: dict[str, type]) -> dict[str,
         f"{header_code}\nint main(void) {{\n" + "\n".join(lines) +
         '\nprintf("TP_MAX_FRAMES %d\\nTP_COMM_LEN %d\\nTP_CNT_MAX %d\\n",'
         " TP_MAX_FRAMES, TP_COMM_LEN, TP_CNT_MAX);\n"
-        'printf("TP_MAX_CHAIN %d\\nTP_CHAIN_TRUNCATED %d\\nTP_CHAIN_INVALID %d\\n",'
-        " TP_MAX_CHAIN, TP_CHAIN_TRUNCATED, TP_CHAIN_INVALID);\n"
-        'printf("TP_SCAN_TRUNCATED %d\\n", TP_SCAN_TRUNCATED);'
+        'printf("TP_MAX_TRAMP %d\\nTP_CHAIN_TRUNCATED %d\\nTP_CHAIN_INVALID %d\\n",'
+        " TP_MAX_TRAMP, TP_CHAIN_TRUNCATED, TP_CHAIN_INVALID);\n"
+        'printf("TP_SCAN_TRUNCATED %d\\nTP_SCAN_OVERFLOW %d\\n",'
+        " TP_SCAN_TRUNCATED, TP_SCAN_OVERFLOW);"
         "\n"
         '\nprintf("TP_USTACK_TRUNCATED %d\\nTP_USTACK_FAULT %d\\nTP_USTACK_NO_USER %d\\n",'
         " TP_USTACK_TRUNCATED, TP_USTACK_FAULT, TP_USTACK_NO_USER);\nreturn 0;\n}\n")
@@ -67,10 +68,11 @@ def test_shared_structs_match(tmp_path):
     assert layout["TP_USTACK_TRUNCATED"] == bpf_layout.USTACK_TRUNCATED
     assert layout["TP_USTACK_FAULT"] == bpf_layout.USTACK_FAULT
     assert layout["TP_USTACK_NO_USER"] == bpf_layout.USTACK_NO_USER
-    assert layout["TP_MAX_CHAIN"] == bpf_layout.MAX_CHAIN
+    assert layout["TP_MAX_TRAMP"] == bpf_layout.MAX_TRAMP
     assert layout["TP_CHAIN_TRUNCATED"] == bpf_layout.CHAIN_TRUNCATED
     assert layout["TP_CHAIN_INVALID"] == bpf_layout.CHAIN_INVALID
     assert layout["TP_SCAN_TRUNCATED"] == bpf_layout.SCAN_TRUNCATED
+    assert layout["TP_SCAN_OVERFLOW"] == bpf_layout.SCAN_OVERFLOW
 
 
 def test_counter_enum_matches_header():

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from tramprof.cli import _run_config, build_parser, main
+from tramprof.commands.cli import _run_config, build_parser, main
 from tramprof.config import Config, ConfigError, from_mapping, load_file
+from tramprof.pipeline.profiler import sampler_config
 
 
 def test_defaults_need_no_file():
@@ -106,7 +107,7 @@ def test_scan_window_reaches_the_sampler():
     args = build_parser().parse_args(["run", "--scan-window", "16384"])
     config = _run_config(args)
     assert config.scan_window_bytes == 16384
-    assert config.sampler_config().scan_bytes == 16384
-    assert Config().sampler_config().scan_bytes == 65536
+    assert sampler_config(config).scan_bytes == 16384
+    assert sampler_config(Config()).scan_bytes == 65536
     largest = from_mapping({"scan_window_bytes": 1 << 18})
-    assert largest.sampler_config().scan_bytes == 1 << 18  # the sampler accepts it too
+    assert sampler_config(largest).scan_bytes == 1 << 18  # the sampler accepts it too

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tramprof import doctor
+from tramprof.commands import doctor
 
 
 def status(caps: int) -> str:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tramprof.model import SymbolizationError
 from tramprof.symbols.elf import ElfCache, ElfError, ElfSymbols, read_build_id
-from tramprof.symbols.errors import SymbolizationError
 
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O2", "-fno-omit-frame-pointer"]

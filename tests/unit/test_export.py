@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.registry import CollectorRegistry
-from tramprof.bpf_layout import Counter as C
+from tramprof.config import parse_listen
 from tramprof.export import families
 from tramprof.export.collector import ProfilerCollector
-from tramprof.export.http import MetricsServer, parse_listen
-from tramprof.stats import ProfilerStats
+from tramprof.export.http import MetricsServer
+from tramprof.pipeline.stats import ProfilerStats
+from tramprof.sampler.layout import Counter as C
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -55,7 +56,7 @@ def test_collector_values(registry):
 
 def test_every_declared_family_is_exported(registry):
     from tramprof.export.series import SeriesTracker
-    from tramprof.unwind import Stack
+    from tramprof.model import Stack
 
     tracker = SeriesTracker()
     tracker.add([Stack(1, "app", "app", ("main", "work"), 3)], now=0.0)
@@ -106,8 +107,7 @@ def test_http_endpoints_text_and_openmetrics(registry):
 
 
 def _profile():
-    from tramprof.profile import Profile
-    from tramprof.unwind import Stack
+    from tramprof.model import Profile, Stack
 
     return Profile((Stack(1, "app", "app", ("main", "work"), 30),
                     Stack(2, "db", "db", ("main", "query"), 12)),

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
+from tramprof.procfs.maps import Mapping
 from tramprof.symbols.jit import MTIME_SLACK_NS, JitLimits, JitSymbols, boot_time_realtime_ns
-from tramprof.symbols.procmaps import Mapping
 
 ANON = Mapping(0x7000, 0x9000, "r-xp", 0, 0, 0, 0, "")
 

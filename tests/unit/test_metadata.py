@@ -1,4 +1,4 @@
-"""tramprof.metadata: container ids and pod uids from real-world cgroup paths."""
+"""tramprof.procfs.metadata: container ids and pod uids from real-world cgroup paths."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from tramprof.metadata import (
+from tramprof.procfs.metadata import (
     UNKNOWN,
     ProcessMetadata,
     container_id_from_cgroup,

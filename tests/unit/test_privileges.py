@@ -14,7 +14,7 @@ import textwrap
 from collections.abc import Iterator
 
 import pytest
-from tramprof.privileges import (
+from tramprof.commands.privileges import (
     CAPABILITIES,
     RUNTIME_CAPABILITIES,
     cap_mask,
@@ -31,7 +31,7 @@ NOBODY = 65534
 # few things it must no longer be able to do); prints a JSON report.
 CHILD = textwrap.dedent("""
     import json, os, socket, subprocess, sys
-    from tramprof.privileges import drop_capabilities, current_capabilities
+    from tramprof.commands.privileges import drop_capabilities, current_capabilities
 
     keep, target = json.loads(sys.argv[1]), int(sys.argv[2])
     # Addresses to try, looked up while still privileged.
@@ -160,7 +160,7 @@ def test_each_kept_capability_is_needed(other_user_process, missing, fails):
 def test_refuses_with_other_threads():
     code = textwrap.dedent("""
         import threading, time
-        from tramprof.privileges import PrivilegeError, drop_capabilities
+        from tramprof.commands.privileges import PrivilegeError, drop_capabilities
         threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
         try:
             drop_capabilities({"CAP_SYS_PTRACE"})
@@ -173,7 +173,7 @@ def test_refuses_with_other_threads():
 
 
 def test_unknown_name_is_rejected_before_anything_changes():
-    code = ("from tramprof.privileges import drop_capabilities as d\n"
+    code = ("from tramprof.commands.privileges import drop_capabilities as d\n"
             "try:\n    d({'CAP_SYS_PTRACE', 'CAP_MAGIC'})\n"
             "except ValueError as e:\n    print(e)\n"
             "print(open('/proc/self/status').read())")

@@ -1,4 +1,4 @@
-"""tramprof.processes: lifecycle events and the identity-keyed process table."""
+"""tramprof.procfs.events: lifecycle events and the identity-keyed process table."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tramprof import processes
-from tramprof.processes import (
+from tramprof.procfs import events as processes
+from tramprof.procfs.events import (
     ConnectorUnavailable,
     ProcConnectorSource,
     ProcessEvent,
@@ -26,7 +26,7 @@ from tramprof.processes import (
     decode_connector_datagram,
     open_event_source,
 )
-from tramprof.procinfo import ProcessGone, ProcessIdentity, read_stat
+from tramprof.procfs.identity import ProcessGone, ProcessIdentity, read_stat
 
 from .test_procinfo import make_proc
 

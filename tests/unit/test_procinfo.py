@@ -1,4 +1,4 @@
-"""tramprof.procinfo: /proc readers on fixture trees and on the live /proc."""
+"""tramprof.procfs.identity: /proc readers on fixture trees and on the live /proc."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tramprof.procinfo import (
+from tramprof.model import ProcessGone as SymbolsProcessGone
+from tramprof.procfs.identity import (
     ProcessGone,
     ProcessIdentity,
     boottime_ns_to_ticks,
@@ -24,7 +25,6 @@ from tramprof.procinfo import (
     read_start_ticks,
     read_stat,
 )
-from tramprof.symbols.errors import ProcessGone as SymbolsProcessGone
 
 
 def stat_line(

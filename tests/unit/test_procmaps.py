@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from tramprof.symbols.errors import ProcessGone, SymbolizationError
-from tramprof.symbols.procmaps import (
+from tramprof.model import ProcessGone, SymbolizationError
+from tramprof.procfs.maps import (
     Mapping,
     find_mapping,
     parse_maps,

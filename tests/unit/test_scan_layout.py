@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from tramprof.scan import (
+from tramprof.procfs.maps import Mapping
+from tramprof.unwind.stub_layout import (
     CallerCheck,
     LayoutError,
     caller_offset,
@@ -12,7 +13,6 @@ from tramprof.scan import (
     return_offset,
     stride_from_addresses,
 )
-from tramprof.symbols.procmaps import Mapping
 
 ENDBR = bytes.fromhex("f30f1efa")
 STUB_312 = bytes.fromhex("4883ec08ffd14883c408c3")  # sub $8,%rsp; call *%rcx; add; ret

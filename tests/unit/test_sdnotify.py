@@ -7,7 +7,7 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-from tramprof.sdnotify import Notifier
+from tramprof.commands.sdnotify import Notifier
 
 
 @pytest.fixture

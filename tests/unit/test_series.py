@@ -21,8 +21,8 @@ from tramprof.export.series import (
     function_label,
     stack_label,
 )
-from tramprof.metadata import ProcessMetadata
-from tramprof.unwind import Stack
+from tramprof.model import Stack
+from tramprof.procfs.metadata import ProcessMetadata
 
 STACKS = "tramprof_stack_samples_total"
 FUNCTIONS = "tramprof_function_samples_total"

@@ -5,10 +5,11 @@ from __future__ import annotations
 import io
 from collections import Counter
 
-from tramprof import bpf_layout
-from tramprof.folded import parse_folded, write_folded
-from tramprof.sampler import RawSample
-from tramprof.unwind import KERNEL_LOST, NATIVE_GAP, PROCESS_EXITED, TRUNCATED, stack_frames
+from tramprof.export.formats.folded import parse_folded, write_folded
+from tramprof.model import KERNEL_LOST, NATIVE_GAP, PROCESS_EXITED, TRUNCATED, RawSample
+from tramprof.pipeline.frames import stack_frames
+from tramprof.sampler import layout as bpf_layout
+from tramprof.unwind.arenas import Arenas
 
 USER = {0x1000: "leaf", 0x1fff: "mid", 0x2fff: "root"}  # callers looked up at ret - 1
 KERNEL = {0xffff0010: "vfs_read", 0xffff001f: "ksys_read"}
@@ -17,8 +18,8 @@ KERNEL = {0xffff0010: "vfs_read", 0xffff001f: "ksys_read"}
 def sample(**kw) -> RawSample:
     base = dict(tgid=1, start_boottime_ns=0, exec_id=0, comm="t",
                 user_frames=((0x1000, 0x10), (0x2000, 0x20), (0x3000, 0x30)),
-                user_flags=0, kernel_ips=(0xffff0010, 0xffff0020), kernel_error=0, chain=(),
-                count=3)
+                user_flags=0, kernel_ips=(0xffff0010, 0xffff0020), kernel_error=0,
+                trampoline_frames=(), count=3)
     base.update(kw)
     return RawSample(**base)
 
@@ -55,9 +56,8 @@ def test_folded_round_trip_and_escaping():
     assert parse_folded(text) == Counter({("a b", "x:y", "z w"): 5, ("c", "f"): 7})
 
 
-class Stubs:
-    def is_stub(self, address: int) -> bool:
-        return 0x9000 <= address < 0xA000
+def Stubs() -> Arenas:
+    return Arenas([(0x9000, 0xA000)])
 
 
 STUB_NAMES = {0x9000: "py::outer:a.py", 0x9050: "py::inner:a.py", 0x4000: "leaf_c",
@@ -69,7 +69,7 @@ def test_chain_frames_interleave_by_stack_address():
     # FP walk: leaf in C (sp 0x100), its caller (ret 0x6000, frame 0x180), then a
     # return into a stub (hidden), then unreadable: the walk stopped.
     s = sample(user_frames=((0x4000, 0x100), (0x6000, 0x180), (0x9033, 0x1f0)),
-               chain=((0x9050, 0x200), (0x9000, 0x400)),
+               trampoline_frames=((0x9050, 0x200), (0x9000, 0x400)),
                user_flags=bpf_layout.USTACK_FAULT, kernel_ips=())
     frames = stack_frames(s, STUB_NAMES.__getitem__, KERNEL.get, failures, Stubs())
     assert frames == ("py::outer:a.py", "py::inner:a.py", NATIVE_GAP, "interp_call", "leaf_c")
@@ -78,6 +78,6 @@ def test_chain_frames_interleave_by_stack_address():
 def test_complete_native_walk_needs_no_gap_marker():
     failures: Counter[str] = Counter()
     s = sample(user_frames=((0x4000, 0x100), (0x6000, 0x180)),
-               chain=((0x9050, 0x200),), user_flags=0, kernel_ips=())
+               trampoline_frames=((0x9050, 0x200),), user_flags=0, kernel_ips=())
     frames = stack_frames(s, STUB_NAMES.__getitem__, KERNEL.get, failures, Stubs())
     assert frames == ("py::inner:a.py", "interp_call", "leaf_c")

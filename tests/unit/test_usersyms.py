@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from tramprof.procfs.maps import Mapping
 from tramprof.symbols.elf import ElfCache
-from tramprof.symbols.procmaps import Mapping
 from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
 
 CSRC = Path(__file__).parent / "csrc"

@@ -18,11 +18,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from tramprof.export.flamegraph import MIN_FRACTION, render_flamegraph_html
-from tramprof.export.pprof import ProfileMessage, encode_pprof
-from tramprof.export.speedscope import SCHEMA_URL, encode_speedscope
-from tramprof.profile import Profile
-from tramprof.unwind import TRUNCATED, Stack
+from tramprof.export.formats.flamegraph import MIN_FRACTION, render_flamegraph_html
+from tramprof.export.formats.pprof import ProfileMessage, encode_pprof
+from tramprof.export.formats.speedscope import SCHEMA_URL, encode_speedscope
+from tramprof.model import TRUNCATED, Profile, Stack
 
 START_NS = 1_700_000_000_123_456_789
 CHAIN = ("_start", "__libc_start_main", "main", "chain_a", "chain_b", "chain_c")

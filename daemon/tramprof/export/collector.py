@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tramprof.bpf_layout import Counter as BpfCounter
 from tramprof.export import families as fam
-from tramprof.stats import ProfilerStats
+from tramprof.pipeline.stats import ProfilerStats
+from tramprof.sampler.layout import Counter as BpfCounter
 
 _LOST = {
     "counts_map_full": BpfCounter.LOST_COUNTS_FULL,
@@ -97,21 +97,26 @@ class ProfilerCollector(Collector):
         yield from _jit_families(stats)
 
         modes = _family(fam.UNWIND_SAMPLES)
-        chain = bpf.get(BpfCounter.CHAIN_SAMPLES, 0)
-        scan = bpf.get(BpfCounter.SCAN_SAMPLES, 0)
-        modes.add_metric(["chain"], chain)
-        modes.add_metric(["scan"], scan)
-        modes.add_metric(["fp"], max(0, bpf.get(BpfCounter.RECORDED, 0) - chain - scan
-                                      - bpf.get(BpfCounter.KERNEL_THREAD, 0)))
+        for mode, count in stats.unwind_samples.items():
+            modes.add_metric([mode], count)
         yield modes
-        refusals = _family(fam.SCAN_REFUSALS)
-        for reason, count in sorted(stats.scan_refusals.items()):
-            refusals.add_metric([reason], count)
+        refusals = _family(fam.UNWIND_REFUSALS)
+        scan_refusals = _family(fam.SCAN_REFUSALS)
+        for (mode, reason), count in sorted(stats.unwind_refusals.items()):
+            refusals.add_metric([mode, reason], count)
+            if mode == "scan":  # the older, scan-only family
+                scan_refusals.add_metric([reason], count)
         yield refusals
+        yield scan_refusals
+        process_errors = _family(fam.PROCESS_ERRORS)
+        for stage, count in sorted(stats.process_errors.items()):
+            process_errors.add_metric([stage], count)
+        yield process_errors
         for f, counter in ((fam.PYTHON_FRAMES_TRUNCATED, BpfCounter.CHAIN_TRUNCATED),
                            (fam.CHAIN_INVALID, BpfCounter.CHAIN_INVALID),
                            (fam.SCAN_STALE, BpfCounter.SCAN_STALE),
-                           (fam.SCAN_WINDOWS_EXHAUSTED, BpfCounter.SCAN_TRUNCATED)):
+                           (fam.SCAN_WINDOWS_EXHAUSTED, BpfCounter.SCAN_TRUNCATED),
+                           (fam.SCAN_OVERFLOWS, BpfCounter.SCAN_OVERFLOW)):
             family = _family(f)
             family.add_metric([], bpf.get(counter, 0))
             yield family

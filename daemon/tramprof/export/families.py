@@ -126,8 +126,8 @@ UNWIND_SAMPLES = Family(
     "stack) or fp (frame pointers only).")
 PYTHON_FRAMES_TRUNCATED = Family(
     "tramprof_python_stacks_truncated", "counter", (),
-    "Samples with more trampoline (Python) frames than the walk keeps; the root side "
-    "is cut.")
+    "Samples with more trampoline (Python) frames than the chain walk keeps; the root "
+    "side is cut (the stack scan's equivalent is tramprof_scan_overflows_total).")
 CHAIN_INVALID = Family(
     "tramprof_chain_walks_stopped", "counter", (),
     "Trampoline chain walks that stopped at a record failing validation (a torn read of "
@@ -147,7 +147,21 @@ SCAN_REFUSALS = Family(
     "tramprof_scan_layouts_refused", "counter", ("reason",),
     "Stub pools whose layout scan mode would not trust, by reason (no call instruction, "
     "stride not found or not matching the perf map, copies that differ, ...); those "
-    "processes stay in fp mode.")
+    "processes stay in fp mode. The scan rows of tramprof_unwind_refusals_total.")
+SCAN_OVERFLOWS = Family(
+    "tramprof_scan_overflows", "counter", (),
+    "Stack scans that found more stub return addresses than a sample keeps: Python "
+    "frames were lost and the stack is marked truncated.")
+UNWIND_REFUSALS = Family(
+    "tramprof_unwind_refusals", "counter", ("mode", "reason"),
+    "Processes an unwinding mode refused or could not follow, by mode and reason (an "
+    "unreadable or unsupported runtime descriptor, a stub layout not trusted, more stub "
+    "pages than a process may install, ...); they are unwound by frame pointers.")
+PROCESS_ERRORS = Family(
+    "tramprof_process_errors", "counter", ("stage",),
+    "Failures while handling one process (reading its maps, binaries, memory or JIT "
+    "files, or installing its unwinding state), by stage. The process is left alone for "
+    "a minute; the daemon and every other process carry on.")
 
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
@@ -155,7 +169,8 @@ ALL: tuple[Family, ...] = (
     NEW_PROCESS_EVENTS_LOST, DRAINS,
     DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
     JIT_RECORDS_DROPPED, JIT_BYTES_READ, UNWIND_SAMPLES, PYTHON_FRAMES_TRUNCATED,
-    CHAIN_INVALID, SCAN_STALE, SCAN_WINDOWS_EXHAUSTED, SCAN_REFUSALS, STACK_SAMPLES,
+    CHAIN_INVALID, SCAN_STALE, SCAN_WINDOWS_EXHAUSTED, SCAN_OVERFLOWS, SCAN_REFUSALS,
+    UNWIND_REFUSALS, PROCESS_ERRORS, STACK_SAMPLES,
     FUNCTION_SAMPLES, DROPPED_SERIES, SERIES,
 )
 

@@ -23,21 +23,13 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
+from tramprof.config import parse_listen
 from tramprof.export.formats import FORMATS, IndexPage
-from tramprof.profile import Profile
+from tramprof.model import Profile
 
 log = logging.getLogger(__name__)
 
 MAX_PIDS_PER_QUERY = 1000
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) with a clear error."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"listen address must be HOST:PORT, got {value!r}")
-    host = host.strip("[]") or "127.0.0.1"
-    return host, int(port)
 
 
 @dataclass(frozen=True)

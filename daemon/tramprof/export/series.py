@@ -65,11 +65,12 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from tramprof.config import GROUP_LABELS
 from tramprof.export import families as fam
-from tramprof.metadata import ProcessMetadata
+from tramprof.procfs.metadata import ProcessMetadata
 
 if TYPE_CHECKING:
-    from tramprof.unwind import Stack
+    from tramprof.model import Stack
 
 __all__ = [
     "GROUP_LABELS",
@@ -95,7 +96,6 @@ _ELLIPSIS_BYTES = len(ELLIPSIS.encode())
 _CUT_PREFIX_BYTES = len(_CUT_PREFIX.encode())
 
 #: Every grouping label; the optional ones appear in metrics in this order.
-GROUP_LABELS = ("comm", "exe", "container_id", "pod_uid", "pid")
 _EXTRA_LABELS = ("exe", "container_id", "pod_uid", "pid")
 _MIN_LABEL_BYTES = 16
 
@@ -287,7 +287,7 @@ class SeriesTracker:
     prometheus-client collector: register it); both may run concurrently.
     ``metadata_for`` gives the grouping metadata of a stack's process; it is
     called once per (pid, process name) and drain and must not raise (see
-    :func:`tramprof.metadata.read_metadata`). By default the group is the
+    :func:`tramprof.procfs.metadata.read_metadata`). By default the group is the
     stack's ``process`` name.
     """
 

@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tramprof.procinfo import read_nstgid
+from tramprof.procfs.identity import read_euid, read_nstgid
+from tramprof.procfs.maps import Mapping
 from tramprof.symbols.jitdump import JitDump
 from tramprof.symbols.perfmap import PerfMap
-from tramprof.symbols.procmaps import Mapping
 from tramprof.symbols.tailreader import RefreshResult
 
 # The kernel stamps file times with a coarse clock (up to a jiffy behind the
@@ -43,14 +43,6 @@ class JitLimits:
 def boot_time_realtime_ns() -> int:
     """CLOCK_REALTIME at boot, to turn CLOCK_BOOTTIME stamps into file times."""
     return time.time_ns() - time.clock_gettime_ns(time.CLOCK_BOOTTIME)
-
-
-def read_euid(pid: int, proc_root: str = "/proc") -> int:
-    with open(f"{proc_root}/{pid}/status") as f:
-        for line in f:
-            if line.startswith("Uid:"):
-                return int(line.split()[2])
-    raise ValueError(f"no Uid line in {proc_root}/{pid}/status")
 
 
 @dataclass

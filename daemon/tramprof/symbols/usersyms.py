@@ -20,9 +20,11 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import BinaryIO
 
+from tramprof.model import ProcessGone, SymbolizationError
+from tramprof.procfs.maps import Mapping, process_exited, read_maps
+from tramprof.procfs.memory import read_memory
 from tramprof.symbols.elf import ElfCache, ElfSymbols
-from tramprof.symbols.errors import ElfError, ProcessGone, SymbolizationError
-from tramprof.symbols.procmaps import Mapping, process_exited, read_maps
+from tramprof.symbols.errors import ElfError
 
 AnonResolver = Callable[[Mapping, int], str | None]
 
@@ -301,13 +303,7 @@ class ProcessSymbolizer:
     def _load_vdso(self, m: Mapping) -> _ObjectState:
         """The vdso is a complete ELF image in memory; read it via ``/proc/PID/mem``."""
         try:
-            fd = os.open(f"{self._proc}/mem", os.O_RDONLY)
-            try:
-                data = os.pread(fd, m.size, m.start)
-            finally:
-                os.close(fd)
-            if len(data) != m.size:
-                raise OSError("short read of [vdso]")
+            data = read_memory(self.pid, m.start, m.size, self._proc_root)
             return self._cache.get_image(data)
         except (OSError, ElfError):
             if process_exited(self.pid, self._proc_root):

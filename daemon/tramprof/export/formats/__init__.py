@@ -7,11 +7,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tramprof.export.flamegraph import render_flamegraph_html
-from tramprof.export.pprof import encode_pprof
-from tramprof.export.speedscope import encode_speedscope
-from tramprof.folded import write_folded
-from tramprof.profile import Profile
+from tramprof.export.formats.flamegraph import render_flamegraph_html
+from tramprof.export.formats.folded import write_folded
+from tramprof.export.formats.pprof import encode_pprof
+from tramprof.export.formats.speedscope import encode_speedscope
+from tramprof.model import Profile
 
 
 @dataclass(frozen=True)

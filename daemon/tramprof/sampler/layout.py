@@ -1,6 +1,7 @@
 """ctypes mirrors of the records in ``bpf/tramprof.h``.
 
 The BPF side writes these; the daemon reads them with exactly these layouts.
+This is the contract between the two sides; nothing else defines a record.
 ``tests/unit/test_bpf_layout.py`` compiles the header and checks every size,
 offset and constant against this module.
 """
@@ -11,7 +12,7 @@ import ctypes
 import enum
 
 MAX_FRAMES = 127
-MAX_CHAIN = 256
+MAX_TRAMP = 256
 COMM_LEN = 16
 
 USTACK_TRUNCATED = 0x1
@@ -20,6 +21,7 @@ USTACK_NO_USER = 0x4
 CHAIN_TRUNCATED = 0x8
 CHAIN_INVALID = 0x10
 SCAN_TRUNCATED = 0x20
+SCAN_OVERFLOW = 0x40
 
 
 class Counter(enum.IntEnum):
@@ -43,6 +45,7 @@ class Counter(enum.IntEnum):
     SCAN_SAMPLES = 15
     SCAN_TRUNCATED = 16
     SCAN_STALE = 17
+    SCAN_OVERFLOW = 18
 
 
 COUNTER_COUNT = len(Counter)
@@ -62,9 +65,9 @@ class UserStack(ctypes.Structure):
         ("flags", ctypes.c_uint32),
         ("check", ctypes.c_uint64),
         ("frames", Frame * MAX_FRAMES),
-        ("nr_chain", ctypes.c_uint32),
+        ("nr_tramp", ctypes.c_uint32),
         ("pad", ctypes.c_uint32),
-        ("chain", Frame * MAX_CHAIN),
+        ("tramp", Frame * MAX_TRAMP),
     ]
 
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
-from tramprof.procinfo import ExecSignature, ProcessIdentity, ProcStat, list_pids, read_stat
-from tramprof.symbols.errors import ProcessGone
+from tramprof.model import ProcessGone
+from tramprof.procfs.identity import ExecSignature, ProcessIdentity, ProcStat, list_pids, read_stat
 
 __all__ = [
     "ConnectorUnavailable",

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tramprof.bpf_layout import Counter as BpfCounter
+from tramprof.sampler.layout import Counter as BpfCounter
 
 
 @dataclass
@@ -23,22 +24,12 @@ class ProfilerStats:
     jit_counters: Counter[tuple[str, str]] = field(default_factory=Counter)
     jit_entries: Counter[str] = field(default_factory=Counter)
     jit_files: Counter[str] = field(default_factory=Counter)
-    scan_refusals: Counter[str] = field(default_factory=Counter)
+    # Recorded user stacks by unwinding mode (the registry's names, then "fp").
+    unwind_samples: dict[str, int] = field(default_factory=dict)
+    # (mode, reason) -> processes a mode refused or failed.
+    unwind_refusals: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # Failures inside the per-process error boundary, by stage.
+    process_errors: Counter[str] = field(default_factory=Counter)
 
     def copy(self) -> ProfilerStats:
-        return ProfilerStats(
-            samples_by_process=Counter(self.samples_by_process),
-            bpf_counters=dict(self.bpf_counters),
-            symbolization_failures=Counter(self.symbolization_failures),
-            processes=self.processes,
-            process_events=Counter(self.process_events),
-            new_process_events_lost=self.new_process_events_lost,
-            drains=self.drains,
-            last_drain_seconds=self.last_drain_seconds,
-            bpf_run_time_ns=self.bpf_run_time_ns,
-            bpf_run_count=self.bpf_run_count,
-            jit_counters=Counter(self.jit_counters),
-            jit_entries=Counter(self.jit_entries),
-            jit_files=Counter(self.jit_files),
-            scan_refusals=Counter(self.scan_refusals),
-        )
+        return copy.deepcopy(self)

@@ -14,8 +14,7 @@ import json
 from typing import Any
 
 from tramprof import __version__
-from tramprof.profile import Profile
-from tramprof.unwind import Stack
+from tramprof.model import Profile, Stack
 
 SCHEMA_URL = "https://www.speedscope.app/file-format-schema.json"
 

@@ -15,11 +15,11 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tramprof.metadata import ProcessMetadata, read_metadata
-from tramprof.processes import ProcessEvent, ProcessTable
-from tramprof.procinfo import ProcessIdentity, boottime_ns_to_ticks
+from tramprof.model import ProcessGone, SymbolizationError
+from tramprof.procfs.events import ProcessEvent, ProcessTable
+from tramprof.procfs.identity import ProcessIdentity, boottime_ns_to_ticks
+from tramprof.procfs.metadata import ProcessMetadata, read_metadata
 from tramprof.symbols.elf import ElfCache
-from tramprof.symbols.errors import ProcessGone, SymbolizationError
 from tramprof.symbols.jit import JitLimits, JitSymbols
 from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
 

@@ -9,9 +9,9 @@ from types import FrameType
 
 from tramprof.config import Config
 from tramprof.export.formats import FORMATS
-from tramprof.profile import Profile, merge
-from tramprof.profiler import Profiler
-from tramprof.sampler import SamplerError
+from tramprof.model import Profile, merge
+from tramprof.pipeline.profiler import Profiler
+from tramprof.sampler.program import SamplerError
 
 
 def record(config: Config, duration: float, fmt: str, output: str | None) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tramprof.symbols.errors import ProcessGone
+from tramprof.model import ProcessGone
 
 __all__ = [
     "ExecSignature",
@@ -29,6 +29,7 @@ __all__ = [
     "read_cgroup",
     "read_cmdline",
     "read_comm",
+    "read_euid",
     "read_exe",
     "read_identity",
     "read_nstgid",
@@ -273,6 +274,15 @@ def read_nstgid(pid: int, proc_root: str = "/proc") -> list[int]:
     if tgid is None:
         raise ValueError(f"{proc_root}/{pid}/status has neither NStgid nor Tgid")
     return tgid
+
+
+def read_euid(pid: int, proc_root: str = "/proc") -> int:
+    """The process's effective uid (owner its JIT files must have)."""
+    data = _read_bytes(pid, "status", proc_root)
+    for line in data.splitlines():
+        if line.startswith(b"Uid:"):
+            return int(line.split()[2])
+    raise ValueError(f"{proc_root}/{pid}/status has no Uid line")
 
 
 def list_pids(proc_root: str = "/proc") -> list[int]:

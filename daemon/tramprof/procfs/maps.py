@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
-from tramprof.symbols.errors import ProcessGone, SymbolizationError
+from tramprof.model import ProcessGone, SymbolizationError
 
 _DELETED_SUFFIX = " (deleted)"
 # Shared anonymous memory (MAP_SHARED|MAP_ANONYMOUS, SysV shm) shows up as a

@@ -1,10 +1,12 @@
-"""Loads the stack-sampling BPF program, attaches it to every CPU, drains it.
+"""Loads the stack-sampling BPF program, attaches it to every CPU, and owns it:
+frequency, target pids, counters, run time, new-process events, drains.
 
 Counting happens in the kernel; each drain moves only unique stacks and their
-counts to user space. Two buffers alternate so a drain never races the
-programs still writing: the daemon flips the active buffer, waits for
-programs that started before the flip to finish, then reads and deletes the
-idle buffer's entries.
+counts to user space (``sampler.drain``). Two buffers alternate so a drain
+never races the programs still writing: the daemon flips the active buffer,
+waits for programs that started before the flip to finish, then reads and
+deletes the idle buffer's entries. Per-process unwinding state is written
+through ``sampler.maps``.
 """
 
 from __future__ import annotations
@@ -23,23 +25,19 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tramprof import bpf_layout
-from tramprof.bpf_layout import Counter
-from tramprof.btf import VMLINUX_BTF, BtfError, KernelBtf
-from tramprof.scan import CallerCheck
+from tramprof.config import check_setting
+from tramprof.model import RawSample
+from tramprof.sampler import layout as bpf_layout
+from tramprof.sampler.btf import VMLINUX_BTF, BtfError, KernelBtf
+from tramprof.sampler.drain import drain_buffer
+from tramprof.sampler.layout import Counter
+from tramprof.sampler.maps import ProcessMaps
 
 log = logging.getLogger(__name__)
-
-# The scan program covers 8 KiB per run (TP_SCAN_CHUNKS_PER_RUN) and chains its
-# runs by tail calls, at most 33 in a row; 32 runs leave one for the
-# end-of-window check.
-MAX_SCAN_BYTES = 32 * 8192
 
 # A BPF program runs for tens of microseconds at most; after this long every
 # program that read the old buffer number has finished.
 DRAIN_GRACE_SECONDS = 0.005
-
-NO_KSTACK = -1
 
 # _IOW('$', 4, __u64): a new sample period, or frequency for frequency-mode events.
 _PERF_EVENT_IOC_PERIOD = 0x40082404
@@ -55,12 +53,6 @@ _BTF_FIELDS = {
     "PT_REGS_SP": "pt_regs.sp",
     "PT_REGS_BP": "pt_regs.bp",
 }
-
-EVENTS = ("auto", "cycles", "cpu-clock")
-
-
-# (native frames, trampoline chain, flags) of one stored user stack.
-_UserStack = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int]
 
 
 class SamplerError(RuntimeError):
@@ -78,31 +70,10 @@ class SamplerConfig:
     scan_bytes: int = 65536  # stack window of "scan" mode, from sp upward
 
     def __post_init__(self) -> None:
-        if not 1 <= self.frequency <= 10000:
-            raise ValueError(f"frequency must be 1..10000 Hz, got {self.frequency}")
-        if self.event not in EVENTS:
-            raise ValueError(f"event must be one of {', '.join(EVENTS)}, got {self.event!r}")
-        if not 512 <= self.scan_bytes <= MAX_SCAN_BYTES or self.scan_bytes % 512:
-            raise ValueError(f"scan_bytes must be a multiple of 512 up to {MAX_SCAN_BYTES}, "
-                             f"got {self.scan_bytes}")
-
-
-@dataclass(frozen=True)
-class RawSample:
-    """One unique (process, thread name, kernel stack, user stack) and its count."""
-
-    tgid: int
-    start_boottime_ns: int
-    exec_id: int
-    comm: str
-    user_frames: tuple[tuple[int, int], ...]  # (ip, stack address), leaf first
-    user_flags: int
-    kernel_ips: tuple[int, ...]  # leaf first
-    # Trampoline frames from the runtime's chain, innermost first: (stub
-    # start, record address). Empty unless the process runs the runtime.
-    chain: tuple[tuple[int, int], ...]
-    kernel_error: int  # 0, or -errno when the kernel part was lost
-    count: int
+        # The settings' own rules (a ConfigError is a ValueError).
+        check_setting("frequency", self.frequency)
+        check_setting("event", self.event)
+        check_setting("scan_window_bytes", self.scan_bytes)
 
 
 def bpf_source_dir() -> str:
@@ -205,6 +176,7 @@ class Sampler:
         self._stats_fd: int | None = None
         self._event: tuple[int, int] | None = None
         self.event_name = ""
+        self._maps: ProcessMaps | None = None
 
     def start(self, pids: Iterable[int] | None = None) -> None:
         """Compile, load and attach; with ``pids``, only those processes are
@@ -234,6 +206,7 @@ class Sampler:
             self.set_targets(pids)
         self._write_config()
         self._load_scan_program(BPF)
+        self._maps = ProcessMaps(self._bpf)
         self._open_new_process_events()
         self._attach()
         self._enable_run_time_stats()
@@ -352,7 +325,7 @@ class Sampler:
 
     def _enable_run_time_stats(self) -> None:
         """Ask the kernel to account the program's run time while we hold the fd."""
-        from tramprof.btf import libbpf
+        from tramprof.sampler.btf import libbpf
 
         lib = libbpf()
         lib.bpf_enable_stats.restype = ctypes.c_int
@@ -386,122 +359,14 @@ class Sampler:
         self._active = 1 - old
         self._write_config()
         time.sleep(DRAIN_GRACE_SECONDS)
+        return drain_buffer(self._bpf, old)
 
-        counts = self._bpf.get_table(b"counts", keytype=bpf_layout.CountKey,
-                                     leaftype=ctypes.c_uint64)
-        ustacks = self._bpf.get_table(b"ustacks", keytype=bpf_layout.UserStackKey,
-                                      leaftype=bpf_layout.UserStack)
-        kstacks = self._bpf[f"kstacks{old}".encode()]
-
-        entries = [(bytes(k), k.sample, int(v.value)) for k, v in counts.items()
-                   if k.buffer == old]
-        user_cache: dict[int, _UserStack] = {}
-        kernel_cache: dict[int, tuple[int, ...]] = {}
-        samples = []
-        for _raw, key, count in entries:
-            user: tuple[tuple[int, int], ...] = ()
-            chain: tuple[tuple[int, int], ...] = ()
-            flags = bpf_layout.USTACK_NO_USER
-            if key.ustack_hash:
-                if key.ustack_hash not in user_cache:
-                    user_cache[key.ustack_hash] = self._read_user_stack(ustacks, key.ustack_hash,
-                                                                        old)
-                user, chain, flags = user_cache[key.ustack_hash]
-            kernel: tuple[int, ...] = ()
-            kernel_error = 0
-            if key.kstack_id >= 0:
-                if key.kstack_id not in kernel_cache:
-                    kernel_cache[key.kstack_id] = tuple(kstacks.walk(key.kstack_id))
-                kernel = kernel_cache[key.kstack_id]
-            elif key.kstack_id != NO_KSTACK:
-                kernel_error = key.kstack_id
-            samples.append(RawSample(
-                tgid=key.tgid, start_boottime_ns=key.start_boottime, exec_id=key.exec_id,
-                comm=key.comm.decode(errors="replace"), user_frames=user, user_flags=flags,
-                kernel_ips=kernel, kernel_error=kernel_error, chain=chain, count=count))
-
-        for raw, _key, _count in entries:
-            with contextlib.suppress(KeyError):
-                del counts[bpf_layout.CountKey.from_buffer_copy(raw)]
-        for skey in [k for k in ustacks if k.buffer == old]:
-            with contextlib.suppress(KeyError):
-                del ustacks[skey]
-        for stack_id in kernel_cache:
-            with contextlib.suppress(KeyError):
-                del kstacks[kstacks.Key(stack_id)]
-        return samples
-
-    @staticmethod
-    def _read_user_stack(table: Any, stack_hash: int, buffer: int) -> _UserStack:
-        try:
-            stack = table[bpf_layout.UserStackKey(hash=stack_hash, buffer=buffer)]
-        except KeyError:
-            return (), (), bpf_layout.USTACK_FAULT
-        n = min(int(stack.nr), bpf_layout.MAX_FRAMES)
-        frames = tuple((int(stack.frames[i].ip), int(stack.frames[i].sp)) for i in range(n))
-        n = min(int(stack.nr_chain), bpf_layout.MAX_CHAIN)
-        chain = tuple((int(stack.chain[i].ip), int(stack.chain[i].sp)) for i in range(n))
-        return frames, chain, int(stack.flags)
-
-    def set_chain_process(self, tgid: int, tls_offset: int, stub_stride: int,
-                          arenas: Iterable[tuple[int, int]]) -> None:
-        """Let the program walk ``tgid``'s trampoline chain (trampolines/ABI.md)."""
-        procs = self._bpf.get_table(b"chain_procs", keytype=ctypes.c_uint32,
-                                    leaftype=bpf_layout.ChainProc)
-        pages = self._bpf.get_table(b"stub_pages", keytype=bpf_layout.StubPage,
-                                    leaftype=ctypes.c_uint64)
-        for start, end in arenas:
-            for page in range(start & ~0xFFF, end, 0x1000):
-                pages[bpf_layout.StubPage(tgid=tgid, page=page)] = ctypes.c_uint64(start)
-        procs[ctypes.c_uint32(tgid)] = bpf_layout.ChainProc(
-            tls_offset=tls_offset, stub_stride=stub_stride, record_self=8)
-
-    def set_scan_process(self, tgid: int, return_offset: int, stride: int,
-                         arenas: Iterable[tuple[int, int]],
-                         caller: CallerCheck | None = None) -> None:
-        """Let the program scan ``tgid``'s stack for stub return addresses.
-        ``arenas``: every arena (page-aligned); ``stride``: a power of two
-        dividing the page size; ``caller``: how to tell a running stub from a
-        stale copy of its return address (None: take every copy). Call again
-        with all arenas when new ones appear."""
-        arenas = sorted(arenas)
-        if not arenas or stride <= 0 or stride & (stride - 1) or 0x1000 % stride:
-            raise ValueError(f"unsupported scan layout: stride {stride}, {len(arenas)} arenas")
-        pages = self._bpf.get_table(b"stub_pages", keytype=bpf_layout.StubPage,
-                                    leaftype=ctypes.c_uint64)
-        procs = self._bpf.get_table(b"scan_procs", keytype=ctypes.c_uint32,
-                                    leaftype=bpf_layout.ScanProc)
-        for start, end in arenas:
-            for page in range(start & ~0xFFF, end, 0x1000):
-                pages[bpf_layout.StubPage(tgid=tgid, page=page)] = ctypes.c_uint64(start)
-        low = arenas[0][0] & ~0xFFF
-        high = max(end for _start, end in arenas)
-        procs[ctypes.c_uint32(tgid)] = bpf_layout.ScanProc(
-            arena_min=low, arena_span=high - low, stride_mask=stride - 1,
-            return_offset=return_offset,
-            caller_min=caller.start if caller else 0,
-            caller_span=caller.end - caller.start if caller else 0,
-            caller_offset=caller.offset if caller and caller.checks_text else 0,
-            word_phase=caller.word_phase if caller else 0)
-
-    def clear_scan_process(self, tgid: int, arenas: Iterable[tuple[int, int]]) -> None:
-        procs = self._bpf.get_table(b"scan_procs", keytype=ctypes.c_uint32,
-                                    leaftype=bpf_layout.ScanProc)
-        with contextlib.suppress(KeyError):
-            del procs[ctypes.c_uint32(tgid)]
-        self.clear_chain_process(tgid, arenas)
-
-    def clear_chain_process(self, tgid: int, arenas: Iterable[tuple[int, int]]) -> None:
-        procs = self._bpf.get_table(b"chain_procs", keytype=ctypes.c_uint32,
-                                    leaftype=bpf_layout.ChainProc)
-        pages = self._bpf.get_table(b"stub_pages", keytype=bpf_layout.StubPage,
-                                    leaftype=ctypes.c_uint64)
-        with contextlib.suppress(KeyError):
-            del procs[ctypes.c_uint32(tgid)]
-        for start, end in arenas:
-            for page in range(start & ~0xFFF, end, 0x1000):
-                with contextlib.suppress(KeyError):
-                    del pages[bpf_layout.StubPage(tgid=tgid, page=page)]
+    @property
+    def maps(self) -> ProcessMaps:
+        """The writer of per-process unwinding state (valid after ``start``)."""
+        if self._maps is None:
+            raise SamplerError("the sampler is not started")
+        return self._maps
 
     def close(self) -> None:
         """Detach every perf event and unload the program and its maps."""
@@ -511,6 +376,7 @@ class Sampler:
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
+            self._maps = None
 
     def __enter__(self) -> Sampler:
         self.start()

@@ -19,23 +19,23 @@ from types import FrameType
 
 from prometheus_client.registry import CollectorRegistry
 
-from tramprof.config import Config, ConfigError
-from tramprof.export.collector import Consistent, ProfilerCollector
-from tramprof.export.http import HttpSecurity, MetricsServer
-from tramprof.export.series import SeriesConfig, SeriesTracker
-from tramprof.metadata import ProcessMetadata
-from tramprof.privileges import (
+from tramprof.commands.privileges import (
     PrivilegeError,
     current_capabilities,
     drop_capabilities,
     runtime_capabilities,
 )
-from tramprof.profile import Profile, ProfileStore
-from tramprof.profiler import Profiler
-from tramprof.sampler import SamplerError
-from tramprof.sdnotify import Notifier
-from tramprof.stats import ProfilerStats
-from tramprof.unwind import Stack
+from tramprof.commands.sdnotify import Notifier
+from tramprof.config import Config, ConfigError
+from tramprof.export.collector import Consistent, ProfilerCollector
+from tramprof.export.http import HttpSecurity, MetricsServer
+from tramprof.export.series import SeriesConfig, SeriesTracker
+from tramprof.export.store import ProfileStore
+from tramprof.model import Profile, Stack
+from tramprof.pipeline.profiler import Profiler
+from tramprof.pipeline.stats import ProfilerStats
+from tramprof.procfs.metadata import ProcessMetadata
+from tramprof.sampler.program import SamplerError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from tramprof.profile import Profile
+from tramprof.model import Profile
 
 _F = descriptor_pb2.FieldDescriptorProto
 _PACKAGE = "perftools.profiles"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tramprof.btf import VMLINUX_BTF, BtfError, KernelBtf
+from tramprof.sampler.btf import VMLINUX_BTF, BtfError, KernelBtf
 
 CAP_SYS_ADMIN = 21
 CAP_SYS_PTRACE = 19
@@ -152,8 +152,8 @@ HOST_CHECKS: tuple[Callable[[], Check], ...] = (
 
 def check_process(pid: int, proc_root: str = "/proc") -> list[Check]:
     """What tramprof can see of one process, and how it will unwind it."""
-    from tramprof.procinfo import read_comm
-    from tramprof.symbols.procmaps import read_maps
+    from tramprof.procfs.identity import read_comm
+    from tramprof.procfs.maps import read_maps
 
     checks = []
     try:
@@ -168,60 +168,22 @@ def check_process(pid: int, proc_root: str = "/proc") -> list[Check]:
     checks.append(Check(f"process {pid} ({comm})", True,
                         f"{len(files)} executable file mappings, {len(anon)} anonymous "
                         "executable mappings (JIT code or trampolines)"))
-    checks.append(check_unwinding_mode(pid, maps))
+    checks.append(check_unwinding_mode(pid, maps, proc_root))
     checks.extend(check_jit_files(pid, proc_root, expect=bool(anon)))
     return checks
 
 
-def check_unwinding_mode(pid: int, maps: list[Any]) -> Check:
-    from tramprof.trampoline_descriptor import EXTENSION_RE
+def check_unwinding_mode(pid: int, maps: list[Any], proc_root: str = "/proc") -> Check:
+    """The mode the daemon would choose, asked of the same modes it runs
+    (installing nothing: no BPF program is loaded)."""
+    from tramprof.pipeline.profiler import unwind_modes
+    from tramprof.unwind.mode import DryRunMaps
 
-    runtime = next((m.path for m in maps if EXTENSION_RE.search(m.path)), None)
-    fp = Check("unwinding mode", True, "fp: frame-pointer walk (frames of code built "
-               "without frame pointers are skipped)")
-    if runtime is None:
-        return check_scan_mode(pid, maps) or fp
-    from tramprof.trampoline_descriptor import read_descriptor
-
-    try:
-        d = read_descriptor(pid)
-    except Exception as exc:
-        return Check("unwinding mode", False, f"fp: cannot read the trampoline descriptor: "
-                     f"{exc}", "reading another process's memory needs CAP_SYS_PTRACE",
-                     warning=True)
-    if not d.active:
-        return Check("unwinding mode", True, "fp: the trampoline runtime is loaded but not "
-                     "active (call tramprof_trampolines.activate() or set "
-                     "TRAMPROF_TRAMPOLINES=1)")
-    return Check("unwinding mode", True,
-                 f"chain: trampoline runtime {d.runtime_version} (ABI {d.abi_version}, "
-                 f"Python {d.python_version}), {d.stub_count} stubs in {len(d.arenas)} "
-                 f"arenas, chain head at thread pointer {d.tls_offset:+d}")
-
-
-class _NoSampler:
-    def set_scan_process(self, tgid: int, return_offset: int, stride: int,
-                         arenas: Any, caller: Any = None) -> None:
-        pass
-
-    def clear_scan_process(self, tgid: int, arenas: Any) -> None:
-        pass
-
-
-def check_scan_mode(pid: int, maps: list[Any], proc_root: str = "/proc") -> Check | None:
-    """CPython -X perf stubs found and verified the way the daemon does it."""
-    from tramprof.scan import ScanProcesses, describe
-
-    scans = ScanProcesses(_NoSampler(), proc_root=proc_root)
-    scans.consider(pid, maps)
-    proc = scans.get(pid)
-    if proc is not None:
-        return Check("unwinding mode", True, describe(proc))
-    if scans.refusals:
-        reason = ", ".join(sorted(scans.refusals))
-        return Check("unwinding mode", False, f"fp: trampoline stubs found but not scannable "
-                     f"({reason})", "the stub layout is not one tramprof knows", warning=True)
-    return None
+    modes = unwind_modes(DryRunMaps(), proc_root)
+    modes.consider(pid, maps)
+    report = modes.report(pid)
+    return Check("unwinding mode", not report.problem, f"{report.mode}: {report.detail}",
+                 report.problem, warning=bool(report.problem))
 
 
 _REFUSAL_FIX = {
@@ -238,7 +200,7 @@ _REFUSAL_FIX = {
 
 def check_jit_files(pid: int, proc_root: str, expect: bool) -> list[Check]:
     """Where the perf map / jitdump were looked for and whether they are used."""
-    from tramprof.procinfo import read_start_ticks
+    from tramprof.procfs.identity import read_start_ticks
     from tramprof.symbols.jit import JitSymbols
 
     try:
@@ -267,7 +229,7 @@ def check_jit_files(pid: int, proc_root: str, expect: bool) -> list[Check]:
 def check_sampled_resolution(pid: int, seconds: float) -> Check:
     """Samples the process briefly and reports how many JIT frames got names."""
     from tramprof.config import Config
-    from tramprof.profiler import Profiler
+    from tramprof.pipeline.profiler import Profiler
 
     profiler = Profiler(Config(pids=(pid,), frequency=199))
     try:

@@ -101,12 +101,13 @@ def main(argv: list[str] | None = None) -> int:
             config = _run_config(args)
             _setup_logging(config.log_level)
             if args.print_bpf:
-                from tramprof.sampler import build_cflags, program_source
+                from tramprof.pipeline.profiler import sampler_config
+                from tramprof.sampler.program import build_cflags, program_source
 
-                print("// cflags: " + " ".join(build_cflags(config.sampler_config())))
+                print("// cflags: " + " ".join(build_cflags(sampler_config(config))))
                 print(program_source())
                 return 0
-            from tramprof.service import run_daemon
+            from tramprof.commands.run import run_daemon
 
             overrides = _flag_overrides(args)
             return run_daemon(config, reload=lambda: load(args.config, overrides=overrides))
@@ -114,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             _setup_logging(args.log_level or "warning")
             config = Config(frequency=args.frequency, event=args.event,
                             pids=tuple(args.pids or ()), interval=min(args.duration, 5.0))
-            from tramprof.record import record
+            from tramprof.commands.record import record
 
             return record(config.validated(), args.duration, args.format, args.output)
         if args.command == "doctor":
-            from tramprof import doctor
+            from tramprof.commands import doctor
 
             checks, ok = doctor.run(args.pid, sample_seconds=args.sample_seconds)
             for check in checks:

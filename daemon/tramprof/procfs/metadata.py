@@ -36,8 +36,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from tramprof.procinfo import read_cgroup, read_comm, read_exe
-from tramprof.symbols.errors import ProcessGone
+from tramprof.model import ProcessGone
+from tramprof.procfs.identity import read_cgroup, read_comm, read_exe
 
 __all__ = [
     "UNKNOWN",
@@ -84,7 +84,7 @@ def _paths(cgroup: str) -> list[str]:
     """The cgroup paths in ``cgroup``, the unified (v2) path first.
 
     Accepts a bare path, one ``/proc/PID/cgroup`` line, a whole file, or
-    :func:`tramprof.procinfo.read_cgroup`'s output.
+    :func:`tramprof.procfs.identity.read_cgroup`'s output.
     """
     unified: list[str] = []
     others: list[str] = []

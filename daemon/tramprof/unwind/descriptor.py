@@ -3,8 +3,10 @@
 Finds the runtime extension in ``/proc/PID/maps``, looks the exported symbol
 up in the extension's ELF ``.dynsym`` (read through ``/proc/PID/map_files`` or
 ``/proc/PID/root``, so it also works for processes in containers or chroots),
-and reads the struct and the arena table from ``/proc/PID/mem``. Needs the
-right to read the target's memory (same uid with ptrace access, or root).
+and reads the struct and the arena table through the one memory reader. Needs
+the right to read the target's memory (same uid with ptrace access, or root).
+Everything read is the target's to choose: counts are capped, arenas must be
+ordered and disjoint, and any failure is one ``DescriptorError``.
 
 The layout is ABI version 1 of ``trampolines/ABI.md``; this module and the
 runtime's ``src/tramprof.h`` must change together (a test checks them
@@ -22,8 +24,10 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
-from tramprof.symbols.errors import SymbolizationError
-from tramprof.symbols.procmaps import Mapping, read_maps
+from tramprof.model import SymbolizationError
+from tramprof.procfs.maps import Mapping, read_maps
+from tramprof.procfs.memory import MemoryReadError, read_memory
+from tramprof.unwind.arenas import Arenas
 
 MAGIC = b"TRAMPROF"
 ABI_VERSION = 1
@@ -40,6 +44,9 @@ FIELDS = ("magic", "abi_version", "arch", "stub_size", "stub_stride", "stub_retu
           "stub_count", "generation", "runtime_version", "python_version")
 STATES = {0: "inactive", 1: "active", 2: "deactivated"}
 ARCHES = {62: "x86_64", 183: "aarch64"}
+#: Arena table entries read at most (the runtime allocates 64 KiB arenas, so
+#: this is 256 MiB of stubs; a larger count is a lie).
+MAX_ARENAS = 4096
 
 
 class DescriptorError(Exception):
@@ -68,26 +75,11 @@ class Descriptor:
     generation: int
     runtime_version: str
     python_version: str
-    arenas: tuple[tuple[int, int], ...]
+    arenas: Arenas
 
     @property
     def active(self) -> bool:
         return self.state == 1
-
-    def in_arena(self, address: int) -> bool:
-        return any(start <= address < end for start, end in self.arenas)
-
-    def stub_start(self, address: int) -> int | None:
-        """Start of the stub containing *address*, None if outside every arena."""
-        for start, end in self.arenas:
-            if start <= address < end:
-                return start + (address - start) // self.stub_stride * self.stub_stride
-        return None
-
-    def is_stub_return(self, address: int) -> bool:
-        """True if *address* is the return address of a stub's evaluator call."""
-        start = self.stub_start(address)
-        return start is not None and address - start == self.stub_return_offset
 
 
 def _dynsym_value(f: BinaryIO, name: str) -> tuple[int, int] | None:
@@ -123,15 +115,9 @@ def _open_extension(pid: int, mapping: Mapping, proc_root: str) -> BinaryIO:
 
 def _read_mem(pid: int, address: int, size: int, proc_root: str = "/proc") -> bytes:
     try:
-        with open(f"{proc_root}/{pid}/mem", "rb", buffering=0) as mem:
-            mem.seek(address)
-            data = mem.read(size)
-    except OSError as exc:
-        raise DescriptorError(f"cannot read {proc_root}/{pid}/mem at {address:#x}: "
-                              f"{exc.strerror}") from exc
-    if len(data) != size:
-        raise DescriptorError(f"short read of {proc_root}/{pid}/mem at {address:#x}")
-    return data
+        return read_memory(pid, address, size, proc_root)
+    except MemoryReadError as exc:
+        raise DescriptorError(str(exc)) from exc
 
 
 def find_descriptor_address(pid: int, proc_root: str = "/proc") -> tuple[int, str]:
@@ -176,10 +162,16 @@ def read_descriptor(pid: int, proc_root: str = "/proc") -> Descriptor:
             raise DescriptorError(f"unsupported descriptor ABI version {values['abi_version']} "
                                   f"(this reader: {ABI_VERSION})")
         count = min(values["arena_count"], values["arena_capacity"])
-        arenas: tuple[tuple[int, int], ...] = ()
+        if count > MAX_ARENAS:
+            raise DescriptorError(f"process {pid} claims {count} arenas (at most "
+                                  f"{MAX_ARENAS} are read)")
+        arenas = Arenas()
         if count:
             raw = _read_mem(pid, values["arenas_address"], 16 * count, proc_root)
-            arenas = tuple(struct.unpack_from("<QQ", raw, 16 * i) for i in range(count))
+            try:
+                arenas = Arenas(struct.unpack_from("<QQ", raw, 16 * i) for i in range(count))
+            except ValueError as exc:
+                raise DescriptorError(f"process {pid}'s arena table: {exc}") from exc
         # The writer publishes an arena entry before the count and bumps the
         # generation afterwards: re-read it to get a consistent snapshot.
         (generation,) = struct.unpack("<Q", _read_mem(pid, address + 80, 8, proc_root))
@@ -213,7 +205,7 @@ def read_chain(pid: int, descriptor: Descriptor, thread_pointer: int,
             break
         (prev,) = struct.unpack("<Q", _read_mem(pid, record + descriptor.record_prev_offset, 8))
         (stub,) = struct.unpack("<Q", _read_mem(pid, record + descriptor.record_self_offset, 8))
-        if not descriptor.in_arena(stub):
+        if stub not in descriptor.arenas:
             break
         chain.append((record, stub))
         record = prev

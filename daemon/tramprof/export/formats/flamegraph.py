@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from functools import cache
 from importlib import resources
 
-from tramprof.profile import Profile
+from tramprof.model import Profile
 
 #: Children below this share of all samples are merged into ``[other]``.
 MIN_FRACTION = 0.0005
@@ -102,7 +102,7 @@ def _tree_json(root: _Node, min_fraction: float) -> str:
 
 @cache
 def _asset(name: str) -> str:
-    text = resources.files("tramprof.export").joinpath("assets", name).read_text("utf-8")
+    text = resources.files("tramprof.export.formats").joinpath("assets", name).read_text("utf-8")
     if "</" in text or "<!--" in text:  # would end or confuse the inline element
         raise ValueError(f"asset {name} cannot be inlined: contains '</' or '<!--'")
     return text

@@ -1,0 +1,111 @@
+"""The types every stage shares: sample -> unwind -> symbolize -> aggregate ->
+export hand these to each other, so they live in one leaf module that imports
+nothing of tramprof's (the layers contract in ``pyproject.toml`` keeps it so).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+# Marker frames. Cut or lost parts of a stack are shown as one bracketed
+# frame, never as made-up names; every writer (metrics, folded, pprof, flame
+# graph) shows them as they are.
+TRUNCATED = "[truncated]"
+# Native frames between the last one the frame-pointer walk reached and the
+# trampoline frames above it could not be unwound (code without frame pointers).
+NATIVE_GAP = "[native frames not unwound]"
+KERNEL_LOST = "[kernel stack lost]"
+PROCESS_EXITED = "[process exited]"
+UNKNOWN_KERNEL = "[unknown kernel]"
+
+
+class SymbolizationError(Exception):
+    """Base class of every failure to read or name what a process exposes
+    (its maps, binaries, JIT files), so callers that only want "degrade the
+    frame" catch one type while subclasses carry the counted reason."""
+
+
+class ProcessGone(SymbolizationError):
+    """The process exited (or became a zombie) before we could read it.
+
+    Short-lived processes are the normal case for a fleet profiler, so this is
+    an expected condition that callers count rather than log.
+    """
+
+    def __init__(self, pid: int, detail: str = "") -> None:
+        self.pid = pid
+        message = f"process {pid} is gone"
+        super().__init__(f"{message}: {detail}" if detail else message)
+
+
+@dataclass(frozen=True)
+class RawSample:
+    """One unique (process, thread name, kernel stack, user stack) and its
+    count, as drained from the kernel: addresses, not names."""
+
+    tgid: int
+    start_boottime_ns: int
+    exec_id: int
+    comm: str
+    user_frames: tuple[tuple[int, int], ...]  # (ip, stack address), leaf first
+    user_flags: int  # USTACK_* / CHAIN_* / SCAN_* bits of sampler.layout
+    kernel_ips: tuple[int, ...]  # leaf first
+    # Trampoline frames recovered by a chain walk or a stack scan, innermost
+    # first: (stub address, stack address). Empty in plain fp mode.
+    trampoline_frames: tuple[tuple[int, int], ...]
+    kernel_error: int  # 0, or -errno when the kernel part was lost
+    count: int
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A symbolized, aggregated stack of one process."""
+
+    pid: int
+    process: str  # the process's name (its main thread's comm)
+    comm: str  # the sampled thread's name
+    frames: tuple[str, ...]  # root first
+    count: int
+
+    def folded_key(self) -> tuple[str, ...]:
+        return (self.comm, *self.frames)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Stacks sampled between ``start_ns`` and ``start_ns + duration_ns``
+    (CLOCK_REALTIME, ns); each sample stands for 1/``frequency_hz`` s of CPU.
+    The input of every writer (folded, pprof, speedscope, flame graph)."""
+
+    stacks: tuple[Stack, ...]
+    start_ns: int
+    duration_ns: int
+    frequency_hz: int
+
+    @property
+    def period_ns(self) -> int:
+        return 1_000_000_000 // self.frequency_hz
+
+    @property
+    def total_samples(self) -> int:
+        return sum(s.count for s in self.stacks)
+
+    def only_pids(self, pids: set[int]) -> Profile:
+        return Profile(tuple(s for s in self.stacks if s.pid in pids), self.start_ns,
+                       self.duration_ns, self.frequency_hz)
+
+
+def merge(profiles: list[Profile], frequency_hz: int) -> Profile:
+    """One profile covering all of ``profiles`` with identical stacks summed."""
+    if not profiles:
+        return Profile((), 0, 0, frequency_hz)
+    counts: Counter[tuple[int, str, str, tuple[str, ...]]] = Counter()
+    for profile in profiles:
+        for s in profile.stacks:
+            counts[(s.pid, s.process, s.comm, s.frames)] += s.count
+    start = min(p.start_ns for p in profiles)
+    end = max(p.start_ns + p.duration_ns for p in profiles)
+    stacks = tuple(Stack(pid=pid, process=process, comm=comm, frames=frames, count=count)
+                   for (pid, process, comm, frames), count in counts.items())
+    return Profile(stacks, start, end - start, frequency_hz)

@@ -1,0 +1,255 @@
+"""The profiling pipeline shared by ``run``, ``record`` and ``doctor``: sample,
+drain, unwind, symbolize, count. Owns the sampler, kernel symbols, the
+per-process symbol state and the unwinding modes.
+
+Everything done for one process after a drain runs inside a per-process
+error boundary: whatever a process exposes (its maps, memory, JIT files) is
+the attacker's to choose, so a failure is counted by stage, logged once with
+the pid, and that process is left alone for a back-off period. The daemon
+and every other process carry on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from functools import partial
+
+from tramprof.config import Config
+from tramprof.model import RawSample, Stack
+from tramprof.pipeline.frames import stack_frames
+from tramprof.pipeline.stats import ProfilerStats
+from tramprof.procfs.events import open_event_source
+from tramprof.sampler.layout import Counter as BpfCounter
+from tramprof.sampler.program import Sampler, SamplerConfig
+from tramprof.symbols.images import ProcessRegistry
+from tramprof.symbols.kallsyms import KernelSymbols
+from tramprof.unwind.chain import ChainMode
+from tramprof.unwind.mode import FP, MapWriter, UnwindModes
+from tramprof.unwind.scan import ScanMode
+
+log = logging.getLogger(__name__)
+
+# A process whose handling failed is left alone this long (seconds), so a
+# process that fails every time costs one attempt per back-off, not per drain.
+ERROR_BACKOFF_SECONDS = 60.0
+
+
+def sampler_config(config: Config) -> SamplerConfig:
+    """The sampler's parameters from the daemon's settings."""
+    return SamplerConfig(frequency=config.frequency, event=config.event,
+                         max_keys=config.max_keys, max_user_stacks=config.max_user_stacks,
+                         max_kernel_stacks=config.max_kernel_stacks,
+                         scan_bytes=config.scan_window_bytes,
+                         max_targets=max(4096, len(config.pids)))
+
+
+def unwind_modes(maps: MapWriter, proc_root: str = "/proc") -> UnwindModes:
+    """Every trampoline mode, in order of preference: our runtime's chain is
+    exact and cheap, so it wins over scanning the same process's stack."""
+    return UnwindModes([ChainMode(maps, proc_root), ScanMode(maps, proc_root)])
+
+
+class _SamplerMaps:
+    """The sampler's map writer, looked up when used: the maps exist only
+    once the program is loaded."""
+
+    def __init__(self, sampler: Callable[[], Sampler]) -> None:
+        self._sampler = sampler
+
+    def install(self, *args: object) -> None:
+        self._sampler().maps.install(*args)  # type: ignore[arg-type]
+
+    def remove(self, tgid: int, walker: bytes) -> None:
+        self._sampler().maps.remove(tgid, walker)
+
+
+class ProcessErrors:
+    """The per-process error boundary: counts by stage, one log line per
+    process and stage, and a back-off during which the process is skipped."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 backoff: float = ERROR_BACKOFF_SECONDS) -> None:
+        self.by_stage: Counter[str] = Counter()
+        self._until: dict[int, float] = {}
+        self._logged: set[tuple[int, str]] = set()
+        self._clock = clock
+        self._backoff = backoff
+
+    def backing_off(self, pid: int) -> bool:
+        until = self._until.get(pid)
+        if until is None:
+            return False
+        if self._clock() >= until:
+            del self._until[pid]
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def boundary(self, pid: int, stage: str, on_error: Callable[[], None] | None = None
+                 ) -> Iterator[None]:
+        try:
+            yield
+        except Exception:
+            self.by_stage[stage] += 1
+            self._until[pid] = self._clock() + self._backoff
+            if (pid, stage) not in self._logged:
+                self._logged.add((pid, stage))
+                log.exception("pid %d: %s failed; leaving it alone for %.0f s",
+                              pid, stage, self._backoff)
+            if on_error is not None:
+                with contextlib.suppress(Exception):
+                    on_error()
+
+    def forget_exited(self, live: set[int]) -> None:
+        for pid in [p for p in self._until if p not in live]:
+            del self._until[pid]
+        self._logged = {(p, s) for p, s in self._logged if p in live}
+
+
+class Profiler:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.sampler = Sampler(sampler_config(config))
+        self.kernel = KernelSymbols(f"{config.proc_root}/kallsyms")
+        self.stats = ProfilerStats()
+        self.registry = ProcessRegistry(proc_root=config.proc_root,
+                                        failures=self.stats.symbolization_failures)
+        self.events = open_event_source(log)
+        self.unwinders = unwind_modes(_SamplerMaps(lambda: self.sampler), config.proc_root)
+        self.errors = ProcessErrors()
+
+    def start(self) -> None:
+        # Parse kallsyms now (~0.5 s of CPU), before sampling starts: new
+        # processes must be looked at within milliseconds of their first sample.
+        if not self.kernel.available:
+            log.warning("kernel frames stay unnamed: %s", self.kernel.unavailable_reason)
+        self.sampler.start(self.config.pids or None)
+
+    def event_fds(self) -> list[int]:
+        """Descriptors to wait on: lifecycle events and newly sampled processes."""
+        fds = self.sampler.event_fds()
+        fd = self.events.fileno()
+        if fd is not None:
+            fds.append(fd)
+        return fds
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until ``timeout`` passes or a process event arrives, then handle
+        events: a process sampled for the first time must be looked at while it
+        still runs, which may be only milliseconds."""
+        with contextlib.suppress(InterruptedError):
+            select.select(self.event_fds(), [], [], max(0.0, timeout))
+        self.poll_process_events()
+
+    def poll_process_events(self) -> None:
+        """Warm newly sampled processes, queue lifecycle events (applied after
+        the next drain)."""
+        for tgid, start, exec_id in self.sampler.new_processes():
+            if self.errors.backing_off(tgid):
+                continue
+            with self.errors.boundary(tgid, "new_process", partial(self._drop, tgid)):
+                image = self.registry.warm(tgid, start, exec_id)
+                if image is not None and image.symbolizer is not None:
+                    self.unwinders.consider(tgid, image.symbolizer.mappings)
+        events = self.events.read_events()
+        for event in events:
+            self.stats.process_events[event.kind] += 1
+        self.stats.process_events["overrun"] = self.events.overruns
+        if self.events.take_resync_request():
+            self.registry.resync()
+        self._refresh_modes()
+        self.registry.defer(events)
+
+    def _drop(self, pid: int) -> None:
+        """Roll back what the modes installed for a process that failed."""
+        self.unwinders.forget(pid)
+
+    def _refresh_modes(self) -> None:
+        live = {identity.pid for identity in self.registry.identities()}
+        self.errors.forget_exited(live)
+        healthy = {pid for pid in live if not self.errors.backing_off(pid)}
+        for pid in live - healthy:
+            self.unwinders.forget(pid)
+        try:
+            self.unwinders.refresh(healthy)
+        except Exception:
+            # A mode's refresh is per process inside; what escapes is a bug of
+            # the mode itself: count it, keep what is installed, try next time.
+            self.errors.by_stage["unwind_refresh"] += 1
+            log.exception("refreshing the unwinding modes failed")
+
+    def collect(self) -> list[Stack]:
+        """Drain the kernel buffers and return this interval's named stacks."""
+        began = time.monotonic()
+        samples = self.sampler.drain()
+        # Newest image first: it is the one /proc shows now (see symbols.images).
+        samples.sort(key=lambda s: (s.tgid, s.start_boottime_ns, -s.exec_id))
+        stacks = []
+        for sample in samples:
+            try:
+                stacks.append(self._symbolize(sample))
+            except Exception:
+                # A bug in one stack must not stop the daemon; count it, keep the rest.
+                self.stats.symbolization_failures["internal_error"] += sample.count
+                log.exception("cannot symbolize a sample of pid %d", sample.tgid)
+        self.poll_process_events()
+        self.registry.apply_pending()
+        # A process whose main thread exits first sends no process-level exit
+        # event; a /proc check after every drain catches it.
+        self.registry.resync()
+        self._refresh_modes()
+        self._update_stats(stacks, began)
+        return stacks
+
+    def _update_stats(self, stacks: list[Stack], began: float) -> None:
+        for stack in stacks:
+            self.stats.samples_by_process[stack.process] += stack.count
+        bpf = self.sampler.counters()
+        self.stats.bpf_counters = bpf
+        run_time = self.sampler.run_time()
+        if run_time is not None:
+            self.stats.bpf_run_time_ns, self.stats.bpf_run_count = run_time
+        self.stats.new_process_events_lost = self.sampler.new_process_events_lost
+        self.stats.processes = len(self.registry)
+        self.stats.unwind_samples = self.unwind_samples(bpf)
+        self.stats.unwind_refusals = self.unwinders.errors()
+        self.stats.process_errors = Counter(self.errors.by_stage)
+        self.stats.drains += 1
+        self.stats.last_drain_seconds = time.monotonic() - began
+        jit = self.registry.jit_totals()
+        self.stats.jit_counters, self.stats.jit_entries, self.stats.jit_files = \
+            jit.counters, jit.entries, jit.files
+        for reason, count in self.registry.symbolization_stats.snapshot().items():
+            self.stats.symbolization_failures[reason] = count
+
+    def unwind_samples(self, bpf: dict[BpfCounter, int]) -> dict[str, int]:
+        """Recorded user stacks by the mode that unwound them; fp is the rest."""
+        out = {mode.name: bpf.get(mode.sample_counter, 0) for mode in self.unwinders.modes}
+        out[FP] = max(0, bpf.get(BpfCounter.RECORDED, 0) - sum(out.values())
+                        - bpf.get(BpfCounter.KERNEL_THREAD, 0))
+        return out
+
+    def _symbolize(self, sample: RawSample) -> Stack:
+        user = None
+        process = sample.comm
+        if sample.user_frames:
+            process, image = self.registry.image(sample.tgid, sample.start_boottime_ns,
+                                                 sample.exec_id, sample.comm)
+            user = image.resolve if image else None
+        frames = stack_frames(sample, user, self.kernel.resolve,
+                              self.stats.symbolization_failures,
+                              self.unwinders.arenas(sample.tgid))
+        return Stack(pid=sample.tgid, process=process, comm=sample.comm, frames=frames,
+                     count=sample.count)
+
+    def bpf_counters(self) -> dict[BpfCounter, int]:
+        return self.sampler.counters()
+
+    def close(self) -> None:
+        self.sampler.close()
+        self.events.close()

@@ -1,0 +1,48 @@
+"""The one reader of another process's memory (``/proc/PID/mem``).
+
+What a process keeps in its memory is the attacker's to choose: a runtime
+descriptor can claim any address or size. Every read therefore goes through
+here, bounded by ``MAX_READ_BYTES`` and checked for a full result, and fails
+with one exception type that callers count per process.
+
+Needs the right to read the target's memory: the same uid with ptrace access,
+or CAP_SYS_PTRACE.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The largest single read: a CPython trampoline arena is 64 KiB, a vdso 8 KiB,
+# a descriptor 136 bytes and its arena table 16 bytes per arena.
+MAX_READ_BYTES = 1 << 20
+
+
+class MemoryReadError(OSError):
+    """The memory could not be read in full (unmapped, no permission, gone,
+    or a size beyond ``MAX_READ_BYTES``)."""
+
+
+def read_memory(pid: int, address: int, size: int, proc_root: str = "/proc") -> bytes:
+    """Exactly ``size`` bytes at ``address`` of process ``pid``."""
+    if not 0 <= size <= MAX_READ_BYTES:
+        raise MemoryReadError(f"refusing to read {size} bytes of process {pid}'s memory "
+                              f"(at most {MAX_READ_BYTES})")
+    if not 0 <= address < 1 << 64:
+        raise MemoryReadError(f"address {address:#x} is outside the address space")
+    path = f"{proc_root}/{pid}/mem"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise MemoryReadError(f"cannot open {path}: {exc.strerror}") from exc
+    try:
+        data = os.pread(fd, size, address)
+    except (OSError, OverflowError) as exc:
+        raise MemoryReadError(f"cannot read {path} at {address:#x}: "
+                              f"{getattr(exc, 'strerror', None) or exc}") from exc
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        raise MemoryReadError(f"short read of {path} at {address:#x}: {len(data)} of "
+                              f"{size} bytes")
+    return data

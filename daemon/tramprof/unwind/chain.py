@@ -1,0 +1,157 @@
+"""Chain mode: processes running our trampoline runtime.
+
+A process that loaded ``tramprof_trampolines`` publishes where its per-thread
+chain head lives and where its stubs are (``trampolines/ABI.md``). This mode
+reads that descriptor from outside (``unwind.descriptor``) and installs what
+the BPF chain walker (``bpf/chain_walk.h``) needs to walk and validate the
+chain: the TLS offset, the stub stride and every arena page. Arenas are
+added as the process runs, so the descriptor is re-read after every drain
+(cheap: one small read unless its generation changed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tramprof.procfs.maps import Mapping
+from tramprof.sampler import layout
+from tramprof.sampler.maps import MapFull
+from tramprof.unwind.arenas import Arenas
+from tramprof.unwind.descriptor import EXTENSION_RE, Descriptor, DescriptorError, read_descriptor
+from tramprof.unwind.mode import FP, MapWriter, ModeReport
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ABI = 1
+X86_64 = 62
+WALKER = b"chain_procs"
+
+
+@dataclass
+class ChainProcess:
+    """What is installed in the BPF maps for one process."""
+
+    generation: int
+    arenas: Arenas
+    active: bool
+    descriptor: Descriptor
+
+
+def _unsupported(d: Descriptor) -> str:
+    """Why the BPF walker cannot walk this runtime's chain ("": it can)."""
+    if d.abi_version != SUPPORTED_ABI:
+        return f"descriptor ABI {d.abi_version} (this daemon walks {SUPPORTED_ABI})"
+    if d.arch != X86_64:
+        return f"architecture {d.arch} (ELF e_machine; only x86-64 is walked)"
+    if d.record_prev_offset != 0 or d.record_self_offset != 8:
+        return (f"chain records with prev at {d.record_prev_offset}, self at "
+                f"{d.record_self_offset} (the walker expects 0 and 8)")
+    if d.stub_stride <= 0:
+        return f"stub stride {d.stub_stride}"
+    return ""
+
+
+class ChainMode:
+    """Per-process chain-mode state; the BPF maps follow it."""
+
+    sample_counter = layout.Counter.CHAIN_SAMPLES
+    name = "chain"
+
+    def __init__(self, maps: MapWriter, proc_root: str = "/proc") -> None:
+        self._maps = maps
+        self._proc_root = proc_root
+        self._procs: dict[int, ChainProcess] = {}
+        self._candidates: set[int] = set()  # runtime loaded, maybe not active yet
+        self._last_error: dict[int, tuple[str, str]] = {}  # pid -> (reason, detail)
+        self._errors: Counter[str] = Counter()
+
+    def unwinds(self, pid: int) -> bool:
+        proc = self._procs.get(pid)
+        return proc is not None and proc.active
+
+    def arenas(self, pid: int) -> Arenas | None:
+        proc = self._procs.get(pid)
+        return proc.arenas if proc is not None and proc.active else None
+
+    def errors(self) -> Counter[str]:
+        return Counter(self._errors)
+
+    def consider(self, pid: int, mappings: Sequence[Mapping]) -> None:
+        if pid not in self._candidates and any(EXTENSION_RE.search(m.path) for m in mappings):
+            self._candidates.add(pid)
+            self._update(pid)
+
+    def refresh(self, live: set[int]) -> None:
+        for pid in list(self._candidates):
+            if pid not in live:
+                self.forget(pid)
+            else:
+                self._update(pid)
+
+    def forget(self, pid: int) -> None:
+        self._candidates.discard(pid)
+        self._last_error.pop(pid, None)
+        if self._procs.pop(pid, None) is not None:
+            self._maps.remove(pid, WALKER)
+
+    def _fail(self, pid: int, reason: str, detail: str, drop: bool) -> None:
+        """Count a failure; ``drop``: give the process up for good."""
+        if self._last_error.get(pid, ("", ""))[0] != reason:
+            self._errors[reason] += 1
+            log.log(logging.WARNING if drop else logging.DEBUG,
+                    "pid %d: not walking its trampoline chain: %s (%s)", pid, reason, detail)
+        self._last_error[pid] = (reason, detail)
+        if drop:
+            if self._procs.pop(pid, None) is not None:
+                self._maps.remove(pid, WALKER)
+            self._candidates.discard(pid)
+
+    def _update(self, pid: int) -> None:
+        try:
+            d = read_descriptor(pid, self._proc_root)
+        except DescriptorError as exc:  # the process vanished, or lies
+            self._fail(pid, "descriptor_unreadable", str(exc), drop=False)
+            return
+        known = self._procs.get(pid)
+        if known is not None and known.generation == d.generation:
+            return
+        why = _unsupported(d)
+        if why:
+            self._fail(pid, "unsupported_runtime", why, drop=True)
+            return
+        # Stubs stay on stacks after deactivate(): keep walking what exists.
+        active = d.active or (known is not None and known.active)
+        if active:
+            record = layout.ChainProc(tls_offset=d.tls_offset, stub_stride=d.stub_stride,
+                                      record_self=d.record_self_offset)
+            try:
+                self._maps.install(pid, WALKER, record, d.arenas)
+            except MapFull as exc:
+                self._fail(pid, "map_full", str(exc), drop=True)
+                return
+        self._last_error.pop(pid, None)
+        self._procs[pid] = ChainProcess(generation=d.generation, arenas=d.arenas,
+                                        active=active, descriptor=d)
+
+    def report(self, pid: int) -> ModeReport | None:
+        proc = self._procs.get(pid)
+        if proc is not None and proc.active:
+            d = proc.descriptor
+            return ModeReport(self.name, f"trampoline runtime {d.runtime_version} (ABI "
+                              f"{d.abi_version}, Python {d.python_version}), {d.stub_count} "
+                              f"stubs in {len(d.arenas)} arenas, chain head at thread pointer "
+                              f"{d.tls_offset:+d}")
+        if pid in self._last_error:
+            reason, detail = self._last_error[pid]
+            hint = ("reading another process's memory needs CAP_SYS_PTRACE"
+                    if reason == "descriptor_unreadable" else
+                    "upgrade tramprof to a version that knows this runtime")
+            return ModeReport(FP, f"trampoline runtime loaded but its chain is not walked: "
+                              f"{reason}: {detail}", hint)
+        if proc is not None:
+            return ModeReport(FP, "the trampoline runtime is loaded but not active (call "
+                              "tramprof_trampolines.activate() or set TRAMPROF_TRAMPOLINES=1)")
+        return None

@@ -1,0 +1,47 @@
+"""Merges the native frames of a sample with its trampoline frames.
+
+Every recovered frame carries its stack address, so native frames of the
+frame-pointer walk and trampoline frames of the chain walk or the stack scan
+interleave in true call order. Return addresses are looked up one byte back
+(into the call instruction) so that a call at the very end of a function
+names the caller; trampoline frames are stub starts, looked up as they are.
+"""
+
+from __future__ import annotations
+
+from tramprof.model import NATIVE_GAP, RawSample
+from tramprof.sampler import layout
+from tramprof.unwind.arenas import Arenas
+
+
+def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
+    """Lookup addresses of the user stack, leaf first, with the trampoline
+    frames merged in by stack address (markers as strings).
+
+    A stub's own native frame is dropped: its trampoline frame, named from
+    the perf map, stands in. Where the frame-pointer walk stopped below
+    trampoline frames, one ``NATIVE_GAP`` marker says native frames are missing.
+    """
+    native = [(sp, ip if i == 0 else ip - 1) for i, (ip, sp) in enumerate(sample.user_frames)]
+    if not sample.trampoline_frames or stubs is None:
+        return [addr for _sp, addr in native]
+    native = [(sp, addr) for sp, addr in native if addr not in stubs]
+    reached = native[-1][0] if native else 0
+    incomplete = bool(sample.user_flags & layout.USTACK_FAULT)
+    merged = sorted(native + [(sp, ip) for ip, sp in sample.trampoline_frames],
+                    key=lambda f: f[0])
+    out: list[int | str] = []
+    gap_marked = False
+    for sp, addr in merged:
+        if incomplete and not gap_marked and native and sp > reached:
+            out.append(NATIVE_GAP)
+            gap_marked = True
+        out.append(addr)
+    return out
+
+
+def is_truncated(sample: RawSample) -> bool:
+    """Frames are missing at the root end: a walker ran out of room or window."""
+    flags = sample.user_flags
+    return bool(flags & (layout.CHAIN_TRUNCATED | layout.SCAN_TRUNCATED | layout.SCAN_OVERFLOW)
+                or (flags & layout.USTACK_TRUNCATED and not sample.trampoline_frames))

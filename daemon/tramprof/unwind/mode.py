@@ -1,0 +1,160 @@
+"""The unwinding-mode protocol and the registry that asks every mode.
+
+Frame-pointer walking ("fp") covers every process and needs no state. A
+process whose stubs can be found gets one trampoline mode on top: a mode
+decides from what the process exposes (its mappings, memory, perf map)
+whether it can unwind it, installs per-process state in the BPF maps through
+a ``MapWriter``, follows the process after every drain, and forgets it when
+it exits. The sampler records the frames its walker finds; the merge needs
+the mode's stub arenas to interleave them with the native frames.
+
+``profiler``, ``doctor`` and the metrics talk to ``UnwindModes`` only and
+never name a mode: a new mode is one module here plus its BPF walker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tramprof.procfs.maps import Mapping
+from tramprof.sampler import layout
+from tramprof.unwind.arenas import Arenas
+
+log = logging.getLogger(__name__)
+
+#: The mode of a process no trampoline mode unwinds.
+FP = "fp"
+
+
+class MapWriter(Protocol):
+    """Where modes install per-process state (``sampler.maps.ProcessMaps``).
+    ``install`` raises ``sampler.maps.MapFull`` (all or nothing) when the
+    state does not fit."""
+
+    def install(self, tgid: int, walker: bytes, record: ctypes.Structure,
+                arenas: Iterable[tuple[int, int]]) -> None: ...
+
+    def remove(self, tgid: int, walker: bytes) -> None: ...
+
+
+@dataclass(frozen=True)
+class ModeReport:
+    """What a mode says about one process, for ``doctor``."""
+
+    mode: str      # the mode that unwinds it ("fp" when this one does not)
+    detail: str    # one sentence: what was found
+    problem: str = ""  # non-empty: why the mode could not be used, and what to do
+
+
+class UnwindMode(Protocol):
+    """One way of recovering trampoline frames."""
+
+    #: Label value of the mode in metrics and ``doctor``.
+    name: str
+    #: The BPF counter of samples this mode's walker recovered frames in.
+    sample_counter: layout.Counter
+
+    def consider(self, pid: int, mappings: Sequence[Mapping]) -> None:
+        """A process image was sampled for the first time: take it on if its
+        mappings show this mode's stubs (or a runtime that will make them)."""
+
+    def refresh(self, live: set[int]) -> None:
+        """After a drain: follow new stubs of the processes in ``live`` and
+        forget every other process."""
+
+    def forget(self, pid: int) -> None:
+        """Drop the process and its BPF state."""
+
+    def unwinds(self, pid: int) -> bool:
+        """True while the BPF walker of this mode records ``pid``'s frames."""
+
+    def arenas(self, pid: int) -> Arenas | None:
+        """Where ``pid``'s stubs are, for the merge (None: not unwound here)."""
+
+    def report(self, pid: int) -> ModeReport | None:
+        """What this mode found about ``pid`` (None: nothing to say)."""
+
+    def errors(self) -> Counter[str]:
+        """Processes refused or failed, by reason (cumulative)."""
+
+
+class UnwindModes:
+    """The trampoline modes in a fixed order of preference; the first that
+    unwinds a process keeps it, and the later ones let it go."""
+
+    def __init__(self, modes: Sequence[UnwindMode]) -> None:
+        self.modes = tuple(modes)
+        names = [m.name for m in self.modes]
+        if FP in names or len(set(names)) != len(names):
+            raise ValueError(f"mode names must be distinct and not {FP!r}: {names}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (*(m.name for m in self.modes), FP)
+
+    def consider(self, pid: int, mappings: Sequence[Mapping]) -> None:
+        for mode in self.modes:
+            mode.consider(pid, mappings)
+            if mode.unwinds(pid):
+                return
+
+    def refresh(self, live: set[int]) -> None:
+        taken: set[int] = set()
+        for mode in self.modes:
+            mode.refresh(live - taken)
+            taken |= {pid for pid in live if mode.unwinds(pid)}
+
+    def forget(self, pid: int) -> None:
+        for mode in self.modes:
+            mode.forget(pid)
+
+    def _owner(self, pid: int) -> UnwindMode | None:
+        return next((m for m in self.modes if m.unwinds(pid)), None)
+
+    def mode_of(self, pid: int) -> str:
+        owner = self._owner(pid)
+        return owner.name if owner is not None else FP
+
+    def arenas(self, pid: int) -> Arenas | None:
+        owner = self._owner(pid)
+        return owner.arenas(pid) if owner is not None else None
+
+    def report(self, pid: int) -> ModeReport:
+        """The owning mode's report, else the first mode with something to say
+        (e.g. a refusal), else plain frame-pointer walking."""
+        owner = self._owner(pid)
+        if owner is not None:
+            found = owner.report(pid)
+            if found is not None:
+                return found
+        for mode in self.modes:
+            found = mode.report(pid)
+            if found is not None:
+                return found
+        return ModeReport(FP, "frame-pointer walk (frames of code built without frame "
+                          "pointers are skipped)")
+
+    def errors(self) -> Counter[tuple[str, str]]:
+        """(mode, reason) -> processes refused or failed."""
+        out: Counter[tuple[str, str]] = Counter()
+        for mode in self.modes:
+            for reason, count in mode.errors().items():
+                out[(mode.name, reason)] += count
+        return out
+
+
+class DryRunMaps:
+    """A ``MapWriter`` that installs nothing: ``doctor`` asks the modes what
+    they would do for a process without loading the BPF program."""
+
+    def install(self, tgid: int, walker: bytes, record: ctypes.Structure,
+                arenas: Iterable[tuple[int, int]]) -> None:
+        pass
+
+    def remove(self, tgid: int, walker: bytes) -> None:
+        pass
