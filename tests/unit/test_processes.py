@@ -21,12 +21,12 @@ from tramprof.procfs.events import (
     ConnectorUnavailable,
     ProcConnectorSource,
     ProcessEvent,
-    ProcessTable,
     ProcPollingSource,
     decode_connector_datagram,
     open_event_source,
 )
 from tramprof.procfs.identity import ProcessGone, ProcessIdentity, read_stat
+from tramprof.procfs.table import ProcessTable
 
 from .test_procinfo import make_proc
 

@@ -1,11 +1,9 @@
-"""Process lifecycle: fork/exec/exit events and per-process state keyed by identity.
+"""Process lifecycle events: fork, exec and exit.
 
-The daemon caches expensive per-process state (symbol tables). It must never
-hand one process's state to another that reuses its pid, must rebuild it after
-an exec (new address space), and must free it on exit, or memory grows with
-process churn. Events come from the kernel's netlink process connector when
-we may subscribe to it, else from diffing ``/proc``; either way
-:class:`ProcessTable` is the single owner of the state.
+They come from the kernel's netlink process connector when we may subscribe
+to it, else from diffing ``/proc``; both sources have one interface
+(``ProcessEventSource``) and ``open_event_source`` picks one. The state they
+keep right lives in ``procfs.table``.
 """
 
 from __future__ import annotations
@@ -18,12 +16,11 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol
 
 from tramprof.model import ProcessGone
-from tramprof.procfs.identity import ExecSignature, ProcessIdentity, ProcStat, list_pids, read_stat
+from tramprof.procfs.identity import ExecSignature, ProcStat, list_pids, read_stat
 
 __all__ = [
     "ConnectorUnavailable",
@@ -32,7 +29,6 @@ __all__ = [
     "ProcPollingSource",
     "ProcessEvent",
     "ProcessEventSource",
-    "ProcessTable",
     "decode_connector_datagram",
     "open_event_source",
 ]
@@ -522,167 +518,3 @@ def open_event_source(logger: logging.Logger, proc_root: str = "/proc") -> Proce
         return ProcPollingSource(proc_root)
     logger.info("process events: subscribed to the netlink proc connector")
     return source
-
-
-# --------------------------------------------------------------------------
-# Per-process state
-# --------------------------------------------------------------------------
-
-T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class _Entry(Generic[T]):
-    start_ticks: int
-    value: T
-    signature: ExecSignature | None
-
-
-class ProcessTable(Generic[T]):
-    """Per-process state keyed by :class:`ProcessIdentity`, at most one per pid.
-
-    State is created lazily (``get_or_create``) and only ever dropped by
-    events, so a late, lost or reordered event costs at most a rebuild,
-    never a mix-up: creation checks in /proc that the pid still belongs to
-    the requested identity, before and after building the state.
-
-    * exit: the pid's state is dropped;
-    * exec: the state is dropped (new address space) and rebuilt on demand;
-    * fork: nothing (a stale entry under a reused pid is replaced on the
-      next ``get_or_create`` and removed by ``resync``);
-    * ``resync()``: drops entries whose process is gone, whose pid was
-      reused, or whose exec signature changed. Call it after an event source
-      overrun and periodically as a backstop (a process whose leader thread
-      exited first dies without a process-level exit event).
-
-    ``on_drop(identity, value)`` is called for every entry removed, to
-    release resources. Not thread-safe: use it from the daemon's loop; only
-    ``len()`` may be read from other threads.
-    """
-
-    def __init__(
-        self,
-        proc_root: str = "/proc",
-        on_drop: Callable[[ProcessIdentity, T], None] | None = None,
-    ) -> None:
-        self._proc_root = proc_root
-        self._on_drop = on_drop
-        self._entries: dict[int, _Entry[T]] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, identity: object) -> bool:
-        if not isinstance(identity, ProcessIdentity):
-            return False
-        entry = self._entries.get(identity.pid)
-        return entry is not None and entry.start_ticks == identity.start_ticks
-
-    def identities(self) -> list[ProcessIdentity]:
-        return [ProcessIdentity(pid, e.start_ticks) for pid, e in self._entries.items()]
-
-    def get(self, pid: int, start_ticks: int) -> T | None:
-        """The state of exactly this process, if held; never reads /proc."""
-        entry = self._entries.get(pid)
-        if entry is None or entry.start_ticks != start_ticks:
-            return None
-        return entry.value
-
-    def get_current(self, pid: int) -> T | None:
-        """The state held for ``pid``, whichever process instance it belongs to
-        (there is at most one); never reads /proc."""
-        entry = self._entries.get(pid)
-        return entry.value if entry is not None else None
-
-    def get_or_create(self, pid: int, start_ticks: int, factory: Callable[[], T]) -> T:
-        """The state of process (pid, start_ticks), built by ``factory`` if needed.
-
-        Raises ProcessGone, without calling or keeping ``factory``'s result,
-        when that process no longer exists: exited, a zombie, or its pid now
-        belongs to another process (whose /proc files the factory would read).
-        Exceptions from ``factory`` propagate and nothing is stored.
-        """
-        entry = self._entries.get(pid)
-        if entry is not None:
-            if entry.start_ticks == start_ticks:
-                return entry.value
-            if entry.start_ticks > start_ticks:
-                raise ProcessGone(pid, "its pid has been reused by a newer process")
-        identity = ProcessIdentity(pid, start_ticks)
-        self._check_alive(identity)
-        if entry is not None:
-            self._remove(pid)  # the pid was reused: the older process is dead
-        value = factory()
-        try:
-            # The process may have died, and its pid been reused, meanwhile.
-            stat = self._check_alive(identity)
-        except ProcessGone:
-            self._release(identity, value)
-            raise
-        self._entries[pid] = _Entry(start_ticks, value, stat.exec_signature)
-        return value
-
-    def _check_alive(self, identity: ProcessIdentity) -> ProcStat:
-        stat = read_stat(identity.pid, self._proc_root)
-        if stat.start_ticks != identity.start_ticks:
-            raise ProcessGone(
-                identity.pid,
-                f"pid now belongs to a process started at tick {stat.start_ticks}, "
-                f"not {identity.start_ticks}",
-            )
-        if stat.is_dead:
-            raise ProcessGone(identity.pid, "exited (zombie)")
-        return stat
-
-    def on_event(self, event: ProcessEvent) -> None:
-        """Apply a lifecycle event (see the class docstring)."""
-        if event.kind in ("exit", "exec"):
-            self.drop(event.pid)
-
-    def drop(self, pid: int) -> bool:
-        """Drop whatever state is held for ``pid``; True if there was some."""
-        return self._remove(pid)
-
-    def resync(self) -> int:
-        """Reconcile with /proc after lost events; returns how many entries went."""
-        dropped = 0
-        for pid, entry in list(self._entries.items()):
-            try:
-                stat = read_stat(pid, self._proc_root)
-            except ProcessGone:
-                stale = True
-            except (OSError, ValueError) as e:
-                _log.debug("resync: cannot check pid %d, keeping its state: %s", pid, e)
-                continue
-            else:
-                # A known exec signature that changed or vanished means an exec
-                # (see ProcPollingSource); an unknown one cannot tell.
-                stale = (
-                    stat.start_ticks != entry.start_ticks
-                    or stat.is_dead
-                    or (entry.signature is not None and stat.exec_signature != entry.signature)
-                )
-            if stale and self._remove(pid):
-                dropped += 1
-        return dropped
-
-    def clear(self) -> None:
-        """Drop everything (shutdown)."""
-        for pid in list(self._entries):
-            self._remove(pid)
-
-    def _remove(self, pid: int) -> bool:
-        entry = self._entries.pop(pid, None)
-        if entry is None:
-            return False
-        self._release(ProcessIdentity(pid, entry.start_ticks), entry.value)
-        return True
-
-    def _release(self, identity: ProcessIdentity, value: T) -> None:
-        if self._on_drop is None:
-            return
-        try:
-            self._on_drop(identity, value)
-        except Exception:
-            # A failing cleanup must not keep stale state alive or stop a resync.
-            _log.exception("releasing the state of process %d failed", identity.pid)

@@ -16,7 +16,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tramprof.model import ProcessGone, SymbolizationError
-from tramprof.procfs.events import ProcessEvent, ProcessTable
+from tramprof.procfs.events import ProcessEvent
+from tramprof.procfs.table import ProcessTable
 from tramprof.procfs.identity import ProcessIdentity, boottime_ns_to_ticks
 from tramprof.procfs.metadata import ProcessMetadata, read_metadata
 from tramprof.symbols.elf import ElfCache

@@ -21,6 +21,10 @@ Refusal reasons are exported as metric label values, so the set is fixed:
 
 A file larger than the cap is not refused: callers read only its first
 ``max_bytes`` bytes.
+
+This is the one opener of files a target process controls: its JIT files
+(``open_untrusted``) and the objects it maps, whose paths in
+``/proc/PID/maps`` it chooses (``open_mapped_object``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import errno
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import Final
+from typing import BinaryIO, Final
 
 MISSING: Final = "missing"
 SYMLINK: Final = "symlink"
@@ -160,12 +164,13 @@ def _refusal_for_component(err: OSError, part: str, dir_fd: int) -> Refusal:
     return _refusal_for(err, f"directory {part!r}")
 
 
-def _check_stat(st: os.stat_result, expected_uid: int | None) -> Refusal | None:
+def _check_stat(st: os.stat_result, expected_uid: int | None,
+                allow_hardlinks: bool = False) -> Refusal | None:
     if stat.S_ISLNK(st.st_mode):
         return Refusal(SYMLINK, "symbolic link")
     if not stat.S_ISREG(st.st_mode):
         return Refusal(NOT_REGULAR, f"file type {stat.S_IFMT(st.st_mode):o}")
-    if st.st_nlink > 1:
+    if st.st_nlink > 1 and not allow_hardlinks:
         return Refusal(HARDLINK, f"{st.st_nlink} links")
     if expected_uid is not None and st.st_uid not in (expected_uid, 0):
         return Refusal(FOREIGN_OWNER, f"uid {st.st_uid}, expected {expected_uid}")
@@ -185,6 +190,7 @@ def open_untrusted(
     max_bytes: int,
     *,
     root: str | None = None,
+    allow_hardlinks: bool = False,
 ) -> SafeFile | Refusal:
     """Open ``path`` for reading only if it is a plain file we may trust.
 
@@ -221,7 +227,7 @@ def open_untrusted(
             pre = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError as err:
             return _refusal_for(err, "lstat")
-        refused = _check_stat(pre, expected_uid)
+        refused = _check_stat(pre, expected_uid, allow_hardlinks)
         if refused is not None:
             return refused
         try:
@@ -236,8 +242,46 @@ def open_untrusted(
     except OSError as err:
         os.close(fd)
         return _refusal_for(err, "fstat")
-    refused = _check_stat(st, expected_uid)
+    refused = _check_stat(st, expected_uid, allow_hardlinks)
     if refused is not None:
         os.close(fd)
         return refused
     return SafeFile(fd, FileIdentity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), max_bytes)
+
+
+# A kernel magic link (/proc/PID/map_files/...) is followed, never blocks.
+_MAGIC_LINK_FLAGS: Final = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+
+def open_mapped_object(path: str, *, root: str | None = None
+                       ) -> tuple[BinaryIO, os.stat_result] | Refusal:
+    """A file a process has mapped (executable, library, runtime extension),
+    as a seekable binary file with its ``fstat``.
+
+    With ``root`` (``/proc/PID/root``), ``path`` comes from ``/proc/PID/maps``
+    and so is the process's to choose: it is resolved below ``root`` without
+    following any symlink, as :func:`open_untrusted` does. Without ``root``,
+    ``path`` is a kernel magic link (``/proc/PID/map_files/START-END``), which
+    is followed: it always names the object actually mapped. Either way only
+    a regular file is returned, opened without blocking. Owner and link count
+    are not checked: libraries are owned by anyone and may be hard-linked.
+    """
+    if root is not None:
+        opened = open_untrusted(path, None, 0, root=root, allow_hardlinks=True)
+        if isinstance(opened, Refusal):
+            return opened
+        fd, opened._fd = opened._fd, -1
+    else:
+        try:
+            fd = os.open(path, _MAGIC_LINK_FLAGS)
+        except OSError as err:
+            return _refusal_for(err, "open")
+    try:
+        st = os.fstat(fd)
+    except OSError as err:
+        os.close(fd)
+        return _refusal_for(err, "fstat")
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return Refusal(NOT_REGULAR, f"file type {stat.S_IFMT(st.st_mode):o}")
+    return os.fdopen(fd, "rb"), st

@@ -10,8 +10,6 @@ in a ``SymbolizationStats`` the caller owns and exports.
 
 from __future__ import annotations
 
-import os
-import stat
 import threading
 import time
 from bisect import bisect_right
@@ -25,10 +23,10 @@ from tramprof.procfs.maps import Mapping, process_exited, read_maps
 from tramprof.procfs.memory import read_memory
 from tramprof.symbols.elf import ElfCache, ElfSymbols
 from tramprof.symbols.errors import ElfError
+from tramprof.symbols.safeopen import Refusal, open_mapped_object
 
 AnonResolver = Callable[[Mapping, int], str | None]
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 UNKNOWN = "[unknown]"
 ANON = "[anon]"
@@ -259,25 +257,16 @@ class ProcessSymbolizer:
         files, memfds and mismatches go through ``map_files``, which always
         opens the object that is actually mapped (needs CAP_SYS_ADMIN).
         """
-        candidates: list[tuple[str, bool]] = []
+        candidates: list[tuple[str, str | None]] = []
         if not m.is_deleted and not m.is_memfd:
-            candidates.append((f"{self._proc}/root{m.path}", True))
-        candidates.append((f"{self._proc}/map_files/{m.start:x}-{m.end:x}", False))
-        for path, check_inode in candidates:
-            try:
-                # O_NONBLOCK + S_ISREG: a FIFO or device planted at the path
-                # must neither hang nor be read.
-                fd = os.open(path, _OPEN_FLAGS)
-            except OSError:
+            candidates.append((m.path, f"{self._proc}/root"))
+        candidates.append((f"{self._proc}/map_files/{m.start:x}-{m.end:x}", None))
+        for path, root in candidates:
+            opened = open_mapped_object(path, root=root)
+            if isinstance(opened, Refusal):
                 continue
-            f = os.fdopen(fd, "rb")
-            try:
-                st = os.fstat(fd)
-            except OSError:
-                f.close()
-                continue
-            if not stat.S_ISREG(st.st_mode) or (check_inode and m.inode
-                                                 and st.st_ino != m.inode):
+            f, st = opened
+            if root is not None and m.inode and st.st_ino != m.inode:
                 f.close()
                 continue
             return f
