@@ -110,3 +110,25 @@ def test_doctor_explains_a_stale_map(targets, start_target):
         stale.unlink(missing_ok=True)
     assert "perf map" in out and "not used (stale)" in out
     assert "left by an earlier process" in out
+
+
+def test_a_fifo_at_the_perf_map_path_does_not_stop_record(targets, start_target):
+    """A process with anonymous executable memory is a candidate for every
+    trampoline mode; a FIFO planted where its perf map would be must be
+    refused without blocking, and the profile must still come out on time."""
+    target = start_target(str(targets / "jit"), "30", "nomap")
+    fifo = Path(f"/tmp/perf-{target.pid}.map")
+    os.mkfifo(fifo, 0o644)
+    try:
+        target.go()
+        time.sleep(0.2)
+        began = time.monotonic()
+        stacks = record(target.pid, 2)
+        took = time.monotonic() - began
+    finally:
+        fifo.unlink(missing_ok=True)
+    # Start-up (BPF compile, kallsyms) takes a few seconds; a hang never ends.
+    assert took < 30, took
+    anon = sum(count for stack, count in stacks.items()
+               if stack[-2:] == ("jit_caller", "[anon]"))
+    assert anon / sum(stacks.values()) >= 0.95, sorted(stacks.items(), key=lambda kv: -kv[1])[:4]

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from tramprof.model import ProcessGone, SymbolizationError
 from tramprof.procfs.events import ProcessEvent
-from tramprof.procfs.table import ProcessTable
 from tramprof.procfs.identity import ProcessIdentity, boottime_ns_to_ticks
 from tramprof.procfs.metadata import ProcessMetadata, read_metadata
+from tramprof.procfs.table import ProcessTable
 from tramprof.symbols.elf import ElfCache
 from tramprof.symbols.jit import JitLimits, JitSymbols
 from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats

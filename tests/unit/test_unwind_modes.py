@@ -1,0 +1,288 @@
+"""Every unwinding mode driven through the protocol and the registry, against
+a recording map writer (no root, no BPF); and the real map writer against
+fake BPF tables (all-or-nothing installs, pages shared between walkers)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from tramprof.sampler import layout
+from tramprof.sampler.maps import MapFull, ProcessMaps
+from tramprof.unwind import chain as chain_module
+from tramprof.unwind.arenas import Arenas
+from tramprof.unwind.chain import ChainMode
+from tramprof.unwind.descriptor import Descriptor, DescriptorError
+from tramprof.unwind.mode import FP, DryRunMaps, UnwindModes
+from tramprof.unwind.scan import ScanMode
+
+PID = 4242
+ARENA = 0x10000000  # below 16 TiB: the fixture's sparse "mem" file holds it
+STUB = bytes.fromhex("f30f1efa4883ec08ffd14883c408c3")  # CPython 3.13 -X perf stub
+STRIDE = 16
+
+
+class RecordingMaps:
+    """A map writer that remembers what is installed, per (tgid, walker)."""
+
+    def __init__(self) -> None:
+        self.state: dict[tuple[int, bytes], tuple[ctypes.Structure, set[tuple[int, int]]]] = {}
+        self.calls: list[tuple[str, int, bytes]] = []
+
+    def install(self, tgid, walker, record, arenas) -> None:
+        self.calls.append(("install", tgid, walker))
+        _old, held = self.state.get((tgid, walker), (None, set()))
+        self.state[(tgid, walker)] = (record, held | set(arenas))
+
+    def remove(self, tgid, walker) -> None:
+        self.calls.append(("remove", tgid, walker))
+        self.state.pop((tgid, walker), None)
+
+
+# --- a fixture /proc with one process running CPython -X perf stubs ----------
+
+
+def fake_proc(tmp_path: Path, arenas: list[int], named: list[int], anon_maps: list[int],
+              perf_map: str | None = None) -> Path:
+    proc = tmp_path / "proc"
+    d = proc / str(PID)
+    root = tmp_path / "rootfs"
+    (root / "tmp").mkdir(parents=True)
+    d.mkdir(parents=True)
+    os.symlink(root, d / "root")
+    uid = os.getuid()
+    (d / "status").write_text(f"Name:\tpython3\nTgid:\t{PID}\nNStgid:\t{PID}\n"
+                              f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+    lines = [f"{start:x}-{start + 0x10000:x} r-xp 00000000 00:00 0 \n" for start in anon_maps]
+    lines.append("7f0000000000-7f0000100000 r-xp 00000000 fe:00 77 /usr/lib/libpython3.13.so\n")
+    (d / "maps").write_text("".join(lines))
+    with open(d / "mem", "wb") as mem:
+        for start in arenas:
+            arena = bytearray(b"\xcc" * 0x10000)
+            for at in range(0, len(arena) - len(STUB) + 1, STRIDE):
+                arena[at:at + len(STUB)] = STUB
+            mem.seek(start)
+            mem.write(arena)
+    if perf_map is None:
+        perf_map = "".join(f"{a:x} {len(STUB):x} py::f{i}:/app/a.py\n" for i, a in enumerate(named))
+    if perf_map != "FIFO":
+        (root / "tmp" / f"perf-{PID}.map").write_text(perf_map)
+    else:
+        os.mkfifo(root / "tmp" / f"perf-{PID}.map")
+    return proc
+
+
+def mappings(proc: Path):
+    from tramprof.procfs.maps import read_maps
+
+    return read_maps(PID, str(proc))
+
+
+def test_scan_mode_learns_installs_and_follows_new_arenas(tmp_path):
+    proc = fake_proc(tmp_path, [ARENA, ARENA + 0x10000], [ARENA, ARENA + 0x20],
+                     [ARENA, ARENA + 0x10000])
+    maps = RecordingMaps()
+    scan = ScanMode(maps, str(proc))
+    scan.consider(PID, mappings(proc))
+    assert scan.unwinds(PID)
+    record, arenas = maps.state[(PID, b"scan_procs")]
+    assert isinstance(record, layout.ScanProc)
+    assert (record.return_offset, record.stride_mask) == (10, STRIDE - 1)
+    assert record.caller_offset == 16 and record.word_phase == 2  # sub $8: 16 bytes up, 16n+8
+    assert (record.caller_min, record.caller_span) == (0x7f0000000000, 0x100000)
+    assert arenas == {(ARENA, ARENA + 0x10000)}
+    assert ARENA + 0x25 in scan.arenas(PID) and ARENA + 0x10000 not in scan.arenas(PID)
+
+    # The process hands out a stub in its second arena: the next refresh adds it.
+    with open(proc.parent / "rootfs" / "tmp" / f"perf-{PID}.map", "a") as f:
+        f.write(f"{ARENA + 0x10010:x} {len(STUB):x} py::g:/app/b.py\n")
+    scan.refresh({PID})
+    _record, arenas = maps.state[(PID, b"scan_procs")]
+    assert arenas >= {(ARENA, ARENA + 0x10000), (ARENA + 0x10000, ARENA + 0x20000)}
+    assert ARENA + 0x10005 in scan.arenas(PID)
+    assert scan.report(PID).mode == "scan"
+
+    scan.refresh(set())  # the process exited
+    assert (PID, b"scan_procs") not in maps.state and not scan.unwinds(PID)
+
+
+def test_scan_mode_refuses_an_arena_whose_copies_differ(tmp_path):
+    proc = fake_proc(tmp_path, [ARENA], [ARENA, ARENA + 0x20], [ARENA])
+    with open(proc / str(PID) / "mem", "r+b") as mem:
+        mem.seek(ARENA + 0x400)
+        mem.write(b"\x90" * 4)  # one copy patched
+    maps = RecordingMaps()
+    scan = ScanMode(maps, str(proc))
+    scan.consider(PID, mappings(proc))
+    assert not scan.unwinds(PID) and not maps.state
+    assert scan.errors() == {"arena_bytes": 1}
+    report = scan.report(PID)
+    assert report.mode == FP and "arena_bytes" in report.detail and report.problem
+
+
+def test_scan_mode_refuses_a_fifo_at_the_perf_map_path_without_blocking(tmp_path):
+    proc = fake_proc(tmp_path, [ARENA], [ARENA], [ARENA], perf_map="FIFO")
+    maps = RecordingMaps()
+    scan = ScanMode(maps, str(proc))
+    scan.consider(PID, mappings(proc))  # would block forever on open() of the FIFO
+    scan.refresh({PID})
+    assert not scan.unwinds(PID) and not maps.calls
+
+
+def descriptor(active: bool, arenas: list[tuple[int, int]], generation: int = 1,
+               abi: int = 1) -> Descriptor:
+    return Descriptor(
+        pid=PID, address=0x1000, extension="/x/tramprof_trampolines/_runtime.so",
+        abi_version=abi, arch=62, stub_size=16, stub_stride=32, stub_return_offset=12,
+        state=1 if active else 0, tls_offset=-64, record_prev_offset=0, record_self_offset=8,
+        record_fp_offset=16, writer_pid=PID, arenas_address=0x2000, arena_capacity=64,
+        stub_count=3, generation=generation, runtime_version="0.1.0", python_version="3.11.2",
+        arenas=Arenas(arenas))
+
+
+@pytest.fixture
+def runtime_mappings(tmp_path):
+    proc = fake_proc(tmp_path, [ARENA], [ARENA], [ARENA])
+    with open(proc / str(PID) / "maps", "a") as f:
+        f.write("7f1000000000-7f1000010000 r-xp 00000000 fe:00 99 "
+                "/venv/lib/python3.11/site-packages/tramprof_trampolines/_runtime.cpython-311"
+                "-x86_64-linux-gnu.so\n")
+    return proc
+
+
+def test_chain_mode_installs_once_active_and_grows_with_the_descriptor(runtime_mappings,
+                                                                       monkeypatch):
+    published = [descriptor(False, [])]
+    monkeypatch.setattr(chain_module, "read_descriptor", lambda pid, root: published[-1])
+    maps = RecordingMaps()
+    chain = ChainMode(maps, str(runtime_mappings))
+    chain.consider(PID, mappings(runtime_mappings))
+    assert not chain.unwinds(PID) and not maps.state
+    assert "not active" in chain.report(PID).detail
+
+    published.append(descriptor(True, [(ARENA, ARENA + 0x10000)], generation=2))
+    chain.refresh({PID})
+    record, arenas = maps.state[(PID, b"chain_procs")]
+    assert (record.tls_offset, record.stub_stride, record.record_self) == (-64, 32, 8)
+    assert chain.unwinds(PID) and ARENA + 8 in chain.arenas(PID)
+
+    published.append(descriptor(True, [(ARENA, ARENA + 0x10000), (ARENA + 0x20000,
+                                                                   ARENA + 0x30000)], 3))
+    chain.refresh({PID})
+    assert maps.state[(PID, b"chain_procs")][1] == {(ARENA, ARENA + 0x10000),
+                                                    (ARENA + 0x20000, ARENA + 0x30000)}
+    chain.refresh(set())
+    assert not maps.state
+
+
+def test_chain_mode_counts_unreadable_and_unsupported_descriptors(runtime_mappings,
+                                                                  monkeypatch):
+    def unreadable(pid, root):
+        raise DescriptorError("cannot read mem")
+
+    monkeypatch.setattr(chain_module, "read_descriptor", unreadable)
+    chain = ChainMode(RecordingMaps(), str(runtime_mappings))
+    chain.consider(PID, mappings(runtime_mappings))
+    chain.refresh({PID})  # the same failure again is not counted twice
+    assert chain.errors() == {"descriptor_unreadable": 1}
+    assert chain.report(PID).problem
+
+    monkeypatch.setattr(chain_module, "read_descriptor",
+                        lambda pid, root: descriptor(True, [(ARENA, ARENA + 0x1000)], abi=9))
+    chain.refresh({PID})
+    assert chain.errors() == {"descriptor_unreadable": 1, "unsupported_runtime": 1}
+    assert not chain.unwinds(PID)
+
+
+def test_registry_prefers_chain_and_scan_lets_go(runtime_mappings, monkeypatch):
+    """A -X perf process that activates our runtime moves from scan to chain."""
+    published = [descriptor(False, [])]
+    monkeypatch.setattr(chain_module, "read_descriptor", lambda pid, root: published[-1])
+    maps = RecordingMaps()
+    modes = UnwindModes([ChainMode(maps, str(runtime_mappings)),
+                         ScanMode(maps, str(runtime_mappings))])
+    modes.consider(PID, mappings(runtime_mappings))
+    assert modes.mode_of(PID) == "scan" and modes.names == ("chain", "scan", FP)
+    published.append(descriptor(True, [(ARENA + 0x40000, ARENA + 0x50000)], generation=2))
+    modes.refresh({PID})
+    assert modes.mode_of(PID) == "chain"
+    assert set(k for k in maps.state) == {(PID, b"chain_procs")}
+    assert ARENA + 0x40000 in modes.arenas(PID) and ARENA not in modes.arenas(PID)
+    assert modes.report(PID).mode == "chain"
+    modes.forget(PID)
+    assert modes.mode_of(PID) == FP and not maps.state
+    assert modes.report(PID).mode == FP
+
+
+def test_doctor_dry_run_installs_nothing(tmp_path):
+    proc = fake_proc(tmp_path, [ARENA], [ARENA, ARENA + 0x20], [ARENA])
+    modes = UnwindModes([ChainMode(DryRunMaps(), str(proc)), ScanMode(DryRunMaps(), str(proc))])
+    modes.consider(PID, mappings(proc))
+    report = modes.report(PID)
+    assert report.mode == "scan" and "return offset 10, stride 16" in report.detail
+
+
+# --- the real writer against fake BPF tables ---------------------------------
+
+
+class FakeTable(dict):
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def __setitem__(self, key, value) -> None:
+        k = bytes(key)
+        if k not in self and len(self) >= self.capacity:
+            raise Exception("Could not update table: [Errno 7] Argument list too long")
+        super().__setitem__(k, bytes(value))
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(bytes(key))
+
+
+class FakeBpf:
+    def __init__(self, pages: int) -> None:
+        self.tables = {b"stub_pages": FakeTable(pages), b"chain_procs": FakeTable(64),
+                       b"scan_procs": FakeTable(64)}
+
+    def get_table(self, name, keytype=None, leaftype=None):
+        return self.tables[name]
+
+
+def pages_of(bpf: FakeBpf, tgid: int) -> set[int]:
+    return {struct.unpack("<IIQ", k)[2] for k in bpf.tables[b"stub_pages"]
+            if struct.unpack("<IIQ", k)[0] == tgid}
+
+
+def test_writer_shares_pages_between_walkers_of_one_process():
+    bpf = FakeBpf(pages=1000)
+    writer = ProcessMaps(bpf)
+    scan_rec = layout.ScanProc(stride_mask=15, return_offset=10)
+    chain_rec = layout.ChainProc(tls_offset=-64, stub_stride=32, record_self=8)
+    writer.install(7, b"scan_procs", scan_rec, [(0x10000, 0x12000)])
+    writer.install(7, b"chain_procs", chain_rec, [(0x10000, 0x12000), (0x20000, 0x21000)])
+    assert pages_of(bpf, 7) == {0x10000, 0x11000, 0x20000}
+    writer.remove(7, b"scan_procs")  # the chain walker still needs the first arena
+    assert pages_of(bpf, 7) == {0x10000, 0x11000, 0x20000}
+    assert not bpf.tables[b"scan_procs"] and len(bpf.tables[b"chain_procs"]) == 1
+    writer.remove(7, b"chain_procs")
+    assert pages_of(bpf, 7) == set() and not bpf.tables[b"chain_procs"]
+
+
+def test_writer_refuses_a_process_over_its_cap_and_rolls_back_a_full_map():
+    bpf = FakeBpf(pages=10)
+    writer = ProcessMaps(bpf, max_pages_per_process=8)
+    record = layout.ChainProc(tls_offset=-64, stub_stride=32, record_self=8)
+    # A lying descriptor claims a 1 GiB arena: refused before anything is written.
+    with pytest.raises(MapFull, match="at most 8"):
+        writer.install(1, b"chain_procs", record, [(0x10000, 0x10000 + (1 << 30))])
+    assert not bpf.tables[b"stub_pages"] and not bpf.tables[b"chain_procs"]
+    writer.install(2, b"chain_procs", record, [(0x10000, 0x16000)])  # 6 of 10 pages
+    with pytest.raises(MapFull):  # 5 more do not fit: what was inserted is removed
+        writer.install(3, b"chain_procs", record, [(0x40000, 0x45000)])
+    assert pages_of(bpf, 3) == set() and len(bpf.tables[b"chain_procs"]) == 1
+    assert pages_of(bpf, 2) == {0x10000 + i * 0x1000 for i in range(6)}
+    assert writer.pages_held(3) == 0 and writer.pages_held(2) == 6
