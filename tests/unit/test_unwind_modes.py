@@ -166,6 +166,7 @@ def test_chain_mode_installs_once_active_and_grows_with_the_descriptor(runtime_m
     published.append(descriptor(True, [(ARENA, ARENA + 0x10000)], generation=2))
     chain.refresh({PID})
     record, arenas = maps.state[(PID, b"chain_procs")]
+    assert arenas == {(ARENA, ARENA + 0x10000)}
     assert (record.tls_offset, record.stub_stride, record.record_self) == (-64, 32, 8)
     assert chain.unwinds(PID) and ARENA + 8 in chain.arenas(PID)
 
