@@ -76,7 +76,7 @@ _POD_RE = re.compile(rf"(?:kubepods(?:-[a-z]+)*-)?pod({_UUID}|{_HEX}{{32}})(?:\.
 
 # Separators of everything the functions accept: path components, the
 # "hierarchy:controllers:path" of /proc/PID/cgroup lines, and the
-# "controllers:path;controllers:path" form of procinfo.read_cgroup.
+# "controllers:path;controllers:path" form of procfs.identity.read_cgroup.
 _SPLIT_RE = re.compile(r"[/:;]")
 
 
