@@ -192,3 +192,66 @@ def test_real_own_maps() -> None:
     assert m.is_exec and m.is_file_backed
     assert m.basename.startswith("libc")
     assert not process_exited(os.getpid())
+
+
+# --- hostile file names: they are the mapping process's to choose ------------
+
+INJECTED = "7f0000100000-7f0025900000 r-xp 00000000 00:00 0                          [vdso]"
+
+
+@pytest.mark.parametrize("separator", ["\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85",
+                                       "\u2028", "\u2029"])
+def test_a_line_break_other_than_newline_in_a_name_injects_nothing(separator: str) -> None:
+    """The kernel escapes only \\n in names; every other line break must stay
+    inside the one mapping it belongs to."""
+    text = (f"55a1084a0000-55a1084a5000 r-xp 00002000 fe:00 260131     /tmp/x{separator}"
+            f"{INJECTED}\n7ffd1b1f0000-7ffd1b1f2000 r-xp 00000000 00:00 0  [vdso]\n")
+    maps = parse_maps(text.encode("utf-8"))
+    assert len(maps) == 2
+    assert maps[0].path == f"/tmp/x{separator}{INJECTED}" and not maps[0].is_special
+    assert [m.start for m in maps if m.is_vdso] == [0x7ffd1b1f0000]
+
+
+@given(st.binary(min_size=1, max_size=200).filter(lambda b: b"\n" not in b))
+def test_any_bytes_in_a_name_give_exactly_one_mapping(name: bytes) -> None:
+    line = b"7f0000010000-7f0000020000 r-xp 00001000 fe:00 999                 /" + name
+    maps = parse_maps(line + b"\n" + b"7f0000030000-7f0000031000 r-xp 00000000 00:00 0 \n")
+    assert len(maps) == 2
+    path = maps[0].path
+    # The name survives byte for byte (bar the padding spaces it may start with).
+    assert path.encode("utf-8", "surrogateescape") == b"/" + name
+    shown = maps[0].display_path
+    shown.encode("utf-8")  # always valid UTF-8: metrics and protobuf accept it
+    assert shown.isprintable()
+
+
+def test_real_process_mapping_a_file_named_with_a_fake_vdso_line(tmp_path: Path) -> None:
+    """A process maps a file whose name carries \\r and a fake 600 MiB [vdso]
+    line: the daemon's reader sees the file once and the real vdso once."""
+    hostile = tmp_path / f"lib\r{INJECTED}"
+    hostile.write_bytes(b"\0" * 4096)
+    code = ("import mmap, sys, os\n"
+            "f = open(sys.argv[1], 'rb')\n"
+            "m = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ)\n"
+            "print('ready', flush=True); sys.stdin.readline()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(hostile)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        maps = read_maps(proc.pid)
+    finally:
+        proc.communicate("\n", timeout=10)
+    vdso = [m for m in maps if m.is_vdso]
+    assert len(vdso) == 1 and vdso[0].size <= 64 << 10
+    assert [m.path for m in maps if m.inode == hostile.stat().st_ino] == [str(hostile)]
+
+
+def test_a_maps_file_over_the_cap_is_refused(tmp_path: Path, monkeypatch) -> None:
+    from tramprof.procfs import maps as procmaps
+
+    monkeypatch.setattr(procmaps, "MAX_MAPS_BYTES", 100)
+    (tmp_path / "5").mkdir()
+    (tmp_path / "5" / "maps").write_text(
+        "7f0000010000-7f0000020000 r-xp 00001000 fe:00 999 /x\n" * 3)
+    with pytest.raises(SymbolizationError, match="larger than 100 bytes"):
+        read_maps(5, str(tmp_path))

@@ -12,6 +12,7 @@ a containerised daemon at the host's ``/proc``.
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ __all__ = [
     "read_nstgid",
     "read_start_ticks",
     "read_stat",
+    "read_vdso_address",
 ]
 
 _NSEC_PER_SEC = 1_000_000_000
@@ -283,6 +285,23 @@ def read_euid(pid: int, proc_root: str = "/proc") -> int:
         if line.startswith(b"Uid:"):
             return int(line.split()[2])
     raise ValueError(f"{proc_root}/{pid}/status has no Uid line")
+
+
+_AT_SYSINFO_EHDR = 33
+_AUXV_ENTRY = struct.Struct("=QQ")
+
+
+def read_vdso_address(pid: int, proc_root: str = "/proc") -> int | None:
+    """Where the kernel put the process's vdso (``AT_SYSINFO_EHDR`` of its
+    auxiliary vector), None if it has none. Unlike a ``[vdso]`` line of the
+    maps, this is the kernel's word alone."""
+    data = _read_bytes(pid, "auxv", proc_root)
+    for key, value in _AUXV_ENTRY.iter_unpack(data[:len(data) // 16 * 16]):
+        if key == _AT_SYSINFO_EHDR:
+            return int(value)
+        if key == 0:  # AT_NULL
+            break
+    return None
 
 
 def list_pids(proc_root: str = "/proc") -> list[int]:

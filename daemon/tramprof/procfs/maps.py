@@ -1,8 +1,15 @@
-"""Parsing of ``/proc/PID/maps``: which object backs a user-space address.
+r"""Parsing of ``/proc/PID/maps``: which object backs a user-space address.
 
 The symbolizer needs, per address, the mapping's file, its file offset and
 whether the memory is anonymous (JIT code), special (``[vdso]``) or backed by
 a file that is no longer reachable by its path (deleted, memfd).
+
+File names are the process's to choose, and the kernel escapes only ``\n``
+in them: the file is read as bytes and split on ``b"\n"`` alone, so a name
+with ``\r``, ``\x0b``, ``\x85`` or U+2028 stays inside its own line and can
+never inject a mapping. Names keep undecodable bytes as surrogate escapes (so
+the file can be opened again); every name shown to a person goes through
+``display_name``. The whole file is capped at ``MAX_MAPS_BYTES``.
 """
 
 from __future__ import annotations
@@ -18,6 +25,19 @@ _DELETED_SUFFIX = " (deleted)"
 # Shared anonymous memory (MAP_SHARED|MAP_ANONYMOUS, SysV shm) shows up as a
 # deleted file on the internal shmem mount; it is anonymous for our purposes.
 _ANON_PREFIXES = ("[anon:", "[anon_shmem:", "//anon", "/dev/zero (deleted)", "/SYSV")
+#: The most of a maps file read: 65,530 mappings (vm.max_map_count) of ~250
+#: bytes. A process with more (or with huge names) is refused, not read.
+MAX_MAPS_BYTES = 16 << 20
+
+
+def display_name(text: str) -> str:
+    """``text`` as valid, printable UTF-8 for output: undecodable bytes
+    (surrogate escapes) and control characters become backslash escapes."""
+    safe = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    if safe.isprintable():
+        return safe
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 0x100
+                   else f"\\u{ord(c):04x}" for c in safe)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +110,12 @@ class Mapping:
     def basename(self) -> str:
         """Short object name for unsymbolized frames (``libc.so.6``, ``memfd:jit``)."""
         path = self.file_path
-        name = path.rsplit("/", 1)[-1] or path
-        # maps is decoded with surrogateescape; frame names must stay encodable.
-        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        return display_name(path.rsplit("/", 1)[-1] or path)
+
+    @property
+    def display_path(self) -> str:
+        """The whole path, safe to show (metrics, folded, pprof, HTML)."""
+        return display_name(self.path)
 
     def contains(self, addr: int) -> bool:
         return self.start <= addr < self.end
@@ -101,10 +124,14 @@ class Mapping:
 def parse_maps_line(line: str) -> Mapping:
     """Parse one maps line; raises ValueError if it is not in the kernel's format.
 
-    The path is everything after the inode column, padding removed, so paths
-    with spaces survive intact.
+    The path is everything after the inode column and its padding (spaces
+    only), so paths with spaces or any other character survive intact.
     """
-    parts = line.rstrip("\n").split(None, 5)
+    parts = line.rstrip("\n").split(" ", 5)
+    if len(parts) == 6:
+        parts[5] = parts[5].lstrip(" ")
+        if not parts[5]:
+            parts.pop()
     if len(parts) < 5:
         raise ValueError(f"malformed maps line: {line!r}")
     addr_range, perms, offset, dev, inode = parts[:5]
@@ -127,9 +154,13 @@ def parse_maps_line(line: str) -> Mapping:
     )
 
 
-def parse_maps(text: str) -> list[Mapping]:
-    """Parse the full text of a maps file, sorted by start address."""
-    mappings = [parse_maps_line(line) for line in text.splitlines() if line.strip()]
+def parse_maps(data: bytes | str) -> list[Mapping]:
+    """Parse a whole maps file, sorted by start address. Lines end at
+    ``\n`` only (see the module docstring)."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogateescape")
+    mappings = [parse_maps_line(line.decode("utf-8", "surrogateescape"))
+                for line in data.split(b"\n") if line.strip(b" ")]
     mappings.sort(key=attrgetter("start"))
     return mappings
 
@@ -156,10 +187,13 @@ def read_maps(pid: int, proc_root: str = "/proc") -> list[Mapping]:
     PermissionError is passed through. A kernel thread has an empty list.
     """
     try:
-        with open(f"{proc_root}/{pid}/maps", encoding="utf-8", errors="surrogateescape") as f:
-            text = f.read()
+        with open(f"{proc_root}/{pid}/maps", "rb") as f:
+            text = f.read(MAX_MAPS_BYTES + 1)
     except (FileNotFoundError, ProcessLookupError) as e:
         raise ProcessGone(pid, f"cannot read maps: {e.strerror or e}") from e
+    if len(text) > MAX_MAPS_BYTES:
+        raise SymbolizationError(f"{proc_root}/{pid}/maps is larger than {MAX_MAPS_BYTES} "
+                                 "bytes")
     if not text and process_exited(pid, proc_root):
         # The mm is released before the /proc entry goes away.
         raise ProcessGone(pid, "exited while its maps were read")

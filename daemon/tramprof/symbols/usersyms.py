@@ -19,6 +19,7 @@ from enum import StrEnum
 from typing import BinaryIO
 
 from tramprof.model import ProcessGone, SymbolizationError
+from tramprof.procfs.identity import read_vdso_address
 from tramprof.procfs.maps import Mapping, process_exited, read_maps
 from tramprof.procfs.memory import read_memory
 from tramprof.symbols.elf import ElfCache, ElfSymbols
@@ -28,6 +29,8 @@ from tramprof.symbols.safeopen import Refusal, open_mapped_object
 AnonResolver = Callable[[Mapping, int], str | None]
 
 
+#: x86-64 vdsos are 8 KiB; anything much larger is not one.
+MAX_VDSO_BYTES = 64 << 10
 UNKNOWN = "[unknown]"
 ANON = "[anon]"
 
@@ -213,7 +216,7 @@ class ProcessSymbolizer:
         if m.is_anonymous:
             return self._resolve_anon(m, addr)
         if m.is_special:  # [vsyscall] and the like: the region name is the answer
-            return m.path
+            return m.display_path
         return self._resolve_file(m, addr)
 
     def _resolve_file(self, m: Mapping, addr: int) -> str:
@@ -290,11 +293,14 @@ class ProcessSymbolizer:
         return f"[vdso]+0x{offset:x}"
 
     def _load_vdso(self, m: Mapping) -> _ObjectState:
-        """The vdso is a complete ELF image in memory; read it via ``/proc/PID/mem``."""
+        """The vdso is a complete ELF image in memory; read it via ``/proc/PID/mem``,
+        only where the kernel says it is (auxv) and only as large as a vdso is."""
         try:
+            if m.size > MAX_VDSO_BYTES or read_vdso_address(self.pid, self._proc_root) != m.start:
+                return FailureReason.VDSO_UNREADABLE
             data = read_memory(self.pid, m.start, m.size, self._proc_root)
             return self._cache.get_image(data)
-        except (OSError, ElfError):
+        except (OSError, ElfError, ProcessGone):
             if process_exited(self.pid, self._proc_root):
                 return FailureReason.PROCESS_GONE
             return FailureReason.VDSO_UNREADABLE
