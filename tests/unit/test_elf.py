@@ -9,7 +9,9 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -368,3 +370,65 @@ def test_cache_images_by_content(bins: dict[str, Path]) -> None:
     data = bins["lib"].read_bytes()
     assert cache.get_image(data) is cache.get_image(bytes(data))
     assert cache.misses == 1
+
+
+# --- files made to cost memory: they are the process's to choose --------------
+
+
+def _elf64_header(shoff: int, shnum: int, phnum: int = 0) -> bytes:
+    ident = b"\x7fELF" + bytes([2, 1, 1, 0]) + bytes(8)
+    return ident + struct.pack("<HHIQQQIHHHHHH", 3, 62, 1, 0, 0, shoff, 0, 64, 56, phnum, 64,
+                               shnum, 0)
+
+
+def test_a_sparse_file_with_a_million_section_headers_is_refused_and_remembered(tmp_path):
+    import tramprof.symbols.elf as elf_module
+
+    bomb = tmp_path / "bomb.so"
+    shoff = 4096
+    with open(bomb, "wb") as f:
+        f.write(_elf64_header(shoff, shnum=0))  # extended numbering: count in section 0
+        f.seek(shoff)
+        f.write(struct.pack("<IIQQQQIIQQ", 0, 0, 0, 0, 0, 1_000_000, 0, 0, 0, 0))
+        f.truncate(shoff + 64 * 1_000_000)  # sparse: 64 MB of headers, nothing on disk
+    cache = ElfCache()
+    with open(bomb, "rb") as f, pytest.raises(ElfError, match="1000000 section headers"):
+        cache.get_file(f)
+    parses = []
+    real_parse = elf_module._parse
+    elf_module._parse = lambda f: parses.append(1) or real_parse(f)
+    try:
+        with open(bomb, "rb") as f, pytest.raises(ElfError, match="section headers"):
+            cache.get_file(f)  # the failure is cached: not parsed again
+    finally:
+        elf_module._parse = real_parse
+    assert parses == []
+
+
+def test_a_symbol_table_claiming_gigabytes_is_refused(tmp_path, monkeypatch):
+    import tramprof.symbols.elf as elf_module
+
+    monkeypatch.setattr(elf_module, "MAX_SYMBOL_TABLE_BYTES", 1024)
+    source = tmp_path / "big.c"
+    source.write_text("".join(f"int f{i}(void) {{ return {i}; }}\n" for i in range(200)))
+    lib = tmp_path / "big.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(source)], check=True)
+    with pytest.raises(ElfError, match="at most 1024 are read"):
+        ElfCache().get_path(lib)
+
+
+def test_memory_exhausted_while_parsing_is_a_cached_failure(tmp_path, monkeypatch):
+    import tramprof.symbols.elf as elf_module
+
+    calls = []
+
+    def exhausted(f):
+        calls.append(1)
+        raise MemoryError
+
+    monkeypatch.setattr(elf_module, "_parse", exhausted)
+    cache = ElfCache()
+    for _ in range(3):
+        with pytest.raises(ElfError, match="exhausted memory"):
+            cache.get_path(sys.executable)
+    assert calls == [1]

@@ -40,6 +40,14 @@ _FUNC_TYPES = (2, 10)  # STT_FUNC, STT_GNU_IFUNC
 _STB_LOCAL = 0
 _STB_WEAK = 2
 _NT_GNU_BUILD_ID = 3
+# A file is the process's to choose, sparse files cost nothing to make, and
+# pyelftools builds a Python object per header: bound what one file may cost.
+# Real binaries have tens of sections and a handful of segments; the largest
+# symbol tables seen (browsers, LLVM) are tens of MiB.
+MAX_SECTIONS = 4096
+MAX_SEGMENTS = 1024
+MAX_SYMBOL_TABLE_BYTES = 256 << 20
+MAX_NOTE_BYTES = 64 << 10
 
 # Whatever a malformed file makes pyelftools (or our own decoding) throw.
 # OSError is deliberately absent: an unreadable file is a different failure.
@@ -225,7 +233,15 @@ class _Section:
         return data
 
 
+def _check_counts(elf: Any) -> None:
+    if elf.num_sections() > MAX_SECTIONS:
+        raise ElfError(f"{elf.num_sections()} section headers (at most {MAX_SECTIONS} are read)")
+    if elf.num_segments() > MAX_SEGMENTS:
+        raise ElfError(f"{elf.num_segments()} program headers (at most {MAX_SEGMENTS} are read)")
+
+
 def _sections(elf: Any) -> list[_Section]:
+    _check_counts(elf)
     read_header = getattr(elf, "_get_section_header", None)
     if read_header is None:  # a pyelftools without the private reader
         return [_Section(sec.header, elf.stream) for sec in elf.iter_sections()]
@@ -233,6 +249,7 @@ def _sections(elf: Any) -> list[_Section]:
 
 
 def _parse_elf(elf: Any, file_size: int) -> ElfSymbols:
+    _check_counts(elf)
     segments = tuple(
         LoadSegment(
             offset=seg["p_offset"],
@@ -280,6 +297,9 @@ def _section_bytes(sec: _Section, file_size: int) -> bytes:
     h = sec.header
     if h["sh_type"] != "SHT_NOBITS" and h["sh_offset"] + h["sh_size"] > file_size:
         raise ElfError(f"truncated ELF: section {sec.name or '?'} extends past end of file")
+    if h["sh_size"] > MAX_SYMBOL_TABLE_BYTES:
+        raise ElfError(f"section {sec.name or '?'} of {h['sh_size']} bytes (at most "
+                       f"{MAX_SYMBOL_TABLE_BYTES} are read)")
     return sec.data()
 
 
@@ -399,9 +419,12 @@ def _build_id(elf: Any, sections: list[_Section] | None = None) -> str | None:
     if sections is None:
         sections = _sections(elf)
     if sections:
-        blobs.extend(s.data() for s in sections if s.header["sh_type"] == "SHT_NOTE")
+        blobs.extend(s.data() for s in sections if s.header["sh_type"] == "SHT_NOTE"
+                     and s.header["sh_size"] <= MAX_NOTE_BYTES)
     else:
-        blobs.extend(s.data() for s in elf.iter_segments() if s["p_type"] == "PT_NOTE")
+        _check_counts(elf)
+        blobs.extend(s.data() for s in elf.iter_segments() if s["p_type"] == "PT_NOTE"
+                     and s["p_filesz"] <= MAX_NOTE_BYTES)
     for blob in blobs:
         found = _build_id_from_notes(blob, endian)
         if found:
@@ -496,7 +519,10 @@ class ElfCache:
                 if cached is not None:
                     self._alias(stat_key, key)
                     return cached
-            symbols = _parse(f)
+            try:
+                symbols = _parse(f)
+            except MemoryError as e:  # cached like any other failure: never retried
+                raise ElfError(f"parsing exhausted memory: {e}") from None
         except ElfError as e:
             with self._lock:
                 self.misses += 1
