@@ -50,6 +50,7 @@ class Config:
     stack_series_per_group: int = 20
     function_series_per_group: int = 50
     max_series: int = 10000
+    max_process_series: int = 1000
     max_label_bytes: int = 1024
     series_expiry: float = 600.0
     profile_retention: float = 300.0
@@ -119,6 +120,7 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "stack_series_per_group": _range(1, 10000),
     "function_series_per_group": _range(1, 10000),
     "max_series": _range(10, 10_000_000),
+    "max_process_series": _range(10, 1_000_000),
     "max_label_bytes": _range(64, 65536),
     "series_expiry": _range(1, 86400 * 7, " (seconds)"),
     "profile_retention": _range(1, 86400, " (seconds)"),

@@ -13,15 +13,21 @@ from tramprof.config import parse_listen
 from tramprof.export import families
 from tramprof.export.collector import ProfilerCollector
 from tramprof.export.http import MetricsServer
-from tramprof.pipeline.stats import ProfilerStats
+from tramprof.pipeline.stats import ProcessSamples, ProfilerStats
 from tramprof.sampler.layout import Counter as C
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
+def process_samples(counts: dict[str, int]) -> ProcessSamples:
+    samples = ProcessSamples()
+    samples.add(counts.items())
+    return samples
+
+
 def stats() -> ProfilerStats:
     return ProfilerStats(
-        samples_by_process=Counter({"python3": 120, "nginx": 7}),
+        samples_by_process=process_samples({"python3": 120, "nginx": 7}),
         bpf_counters={c: 0 for c in C} | {C.RECORDED: 127, C.IDLE: 50, C.FILTERED: 3,
                                           C.LOST_COUNTS_FULL: 2, C.LOST_USTACKS_FULL: 1,
                                           C.KSTACK_COLLISION: 4, C.USTACK_TRUNCATED: 5},
@@ -186,3 +192,21 @@ def test_basic_auth_and_tls(registry, tmp_path):
         stalled.close()
     finally:
         server.close()
+
+
+def test_process_names_beyond_the_cap_are_counted_in_other():
+    """A process forking children with random names cannot grow
+    tramprof_samples_total without bound; no sample is lost."""
+    now = [0.0]
+    samples = ProcessSamples(max_names=10, expiry=60, clock=lambda: now[0])
+    samples.add((f"name-{i}", 2) for i in range(1000))
+    counts = dict(samples.items())
+    assert len(counts) == 11 and counts["[other]"] == 2 * 990
+    assert sum(counts.values()) == 2000 and samples.folded == 1980
+    now[0] = 61.0  # none of them sampled for longer than the expiry
+    samples.add([("steady", 5)])
+    assert samples.items() == [("steady", 5)]
+
+    registry = CollectorRegistry()
+    registry.register(ProfilerCollector(lambda: ProfilerStats(samples_by_process=samples)))
+    assert registry.get_sample_value("tramprof_samples_total", {"process": "steady"}) == 5

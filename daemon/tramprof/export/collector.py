@@ -40,7 +40,7 @@ class ProfilerCollector(Collector):
         bpf = stats.bpf_counters
 
         samples = _family(fam.SAMPLES)
-        for process, count in sorted(stats.samples_by_process.items()):
+        for process, count in stats.samples_by_process.items():
             samples.add_metric([process], count)
         yield samples
 

@@ -23,7 +23,8 @@ class Family:
 
 SAMPLES = Family(
     "tramprof_samples", "counter", ("process",),
-    "CPU samples recorded, per process group.")
+    "CPU samples recorded, per process name; at most max_process_series names get a "
+    "series, the samples of the others are counted in process=\"[other]\".")
 PERF_EVENTS = Family(
     "tramprof_perf_events", "counter", ("outcome",),
     "Sampling ticks seen by the BPF program, by outcome: recorded, idle (no process on "

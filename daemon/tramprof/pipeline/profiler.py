@@ -22,7 +22,7 @@ from functools import partial
 from tramprof.config import Config
 from tramprof.model import RawSample, Stack
 from tramprof.pipeline.frames import stack_frames
-from tramprof.pipeline.stats import ProfilerStats
+from tramprof.pipeline.stats import ProcessSamples, ProfilerStats
 from tramprof.procfs.events import open_event_source
 from tramprof.sampler.layout import Counter as BpfCounter
 from tramprof.sampler.program import Sampler, SamplerConfig
@@ -116,7 +116,8 @@ class Profiler:
         self.config = config
         self.sampler = Sampler(sampler_config(config))
         self.kernel = KernelSymbols(f"{config.proc_root}/kallsyms")
-        self.stats = ProfilerStats()
+        self.stats = ProfilerStats(samples_by_process=ProcessSamples(
+            config.max_process_series, config.series_expiry))
         self.registry = ProcessRegistry(proc_root=config.proc_root,
                                         failures=self.stats.symbolization_failures)
         self.events = open_event_source(log)
@@ -207,8 +208,7 @@ class Profiler:
         return stacks
 
     def _update_stats(self, stacks: list[Stack], began: float) -> None:
-        for stack in stacks:
-            self.stats.samples_by_process[stack.process] += stack.count
+        self.stats.samples_by_process.add((stack.process, stack.count) for stack in stacks)
         bpf = self.sampler.counters()
         self.stats.bpf_counters = bpf
         run_time = self.sampler.run_time()

@@ -3,15 +3,61 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tramprof.sampler.layout import Counter as BpfCounter
 
+#: Where samples of process names beyond the cap are counted.
+OTHER_PROCESSES = "[other]"
+
+
+class ProcessSamples:
+    """Samples per process name, for ``tramprof_samples_total{process}``.
+
+    Process names (thread names of the main thread) are the processes' to
+    choose, so a process forking children with random names could otherwise
+    grow the series without bound. At most ``max_names`` names get a series;
+    samples of the names beyond are counted in ``[other]``. A name without
+    samples for ``expiry`` seconds is forgotten, and its series with it.
+    """
+
+    def __init__(self, max_names: int = 1000, expiry: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_names = max_names
+        self.expiry = expiry
+        self._clock = clock
+        self._counts: dict[str, int] = {}
+        self._seen: dict[str, float] = {}
+        self.folded = 0  # samples counted in [other] because of the cap
+
+    def add(self, samples: Iterable[tuple[str, int]]) -> None:
+        now = self._clock()
+        for name in [n for n, seen in self._seen.items() if now - seen > self.expiry]:
+            del self._seen[name]
+            del self._counts[name]
+        for name, count in samples:
+            if name not in self._counts:
+                named = len(self._counts) - (OTHER_PROCESSES in self._counts)
+                if named >= self.max_names:
+                    self.folded += count
+                    name = OTHER_PROCESSES
+                self._counts.setdefault(name, 0)
+            self._counts[name] += count
+            self._seen[name] = now
+
+    def items(self) -> list[tuple[str, int]]:
+        return sorted(self._counts.items())
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
 
 @dataclass
 class ProfilerStats:
-    samples_by_process: Counter[str] = field(default_factory=Counter)
+    samples_by_process: ProcessSamples = field(default_factory=ProcessSamples)
     bpf_counters: dict[BpfCounter, int] = field(default_factory=dict)
     symbolization_failures: Counter[str] = field(default_factory=Counter)
     processes: int = 0
