@@ -51,6 +51,7 @@ class Config:
     function_series_per_group: int = 50
     max_series: int = 10000
     max_process_series: int = 1000
+    symbol_memory_bytes: int = 128 << 20
     max_label_bytes: int = 1024
     series_expiry: float = 600.0
     profile_retention: float = 300.0
@@ -121,6 +122,7 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "function_series_per_group": _range(1, 10000),
     "max_series": _range(10, 10_000_000),
     "max_process_series": _range(10, 1_000_000),
+    "symbol_memory_bytes": _range(1 << 20, 1 << 36, " (bytes)"),
     "max_label_bytes": _range(64, 65536),
     "series_expiry": _range(1, 86400 * 7, " (seconds)"),
     "profile_retention": _range(1, 86400, " (seconds)"),

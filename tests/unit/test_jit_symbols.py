@@ -97,3 +97,36 @@ def test_file_owned_by_another_user_is_refused(tmp_path):
     os.chown(path, 1000, 1000)  # the process's own uid: trusted
     jit = JitSymbols(12, proc_root=str(tmp_path))
     assert jit.resolve(ANON, 0x7000) == "planted"
+
+
+def test_memory_budget_evicts_the_least_recently_sampled_index(tmp_path):
+    from tramprof.symbols.images import JitTotals, ProcessImage, evict_to_budget
+
+    clock = Clock()
+    readers = []
+    for pid in (21, 22, 23):
+        tmp = fake_process(tmp_path, pid, [pid])
+        (tmp / f"perf-{pid}.map").write_text(
+            "".join(f"{0x7000 + i * 16:x} 10 py::f{i}:/srv/app/a_rather_long_module_name.py\n"
+                    for i in range(200)))
+        jit = JitSymbols(pid, proc_root=str(tmp_path), clock=clock,
+                         limits=JitLimits(evicted_backoff=600))
+        clock.now += 1
+        assert jit.resolve(ANON, 0x7008) == "py::f0:/srv/app/a_rather_long_module_name.py"
+        readers.append(jit)
+    sizes = [jit.memory_bytes() for jit in readers]
+    assert all(size > 200 * 80 for size in sizes)
+    clock.now += 1
+    readers[0].resolve(ANON, 0x7008)  # pid 21 sampled again: now the newest
+    total, evicted = evict_to_budget(readers, budget=sum(sizes) - 1)
+    assert evicted == 1 and total == sizes[0] + sizes[2]
+    assert readers[1].memory_bytes() == 0 and readers[1].evictions == 1
+    # The evicted process's JIT frames stay unnamed during the back-off, without
+    # re-reading the file at every miss; then the index is built again.
+    assert readers[1].resolve(ANON, 0x7008) is None and readers[1].memory_bytes() == 0
+    clock.now += 601
+    assert readers[1].resolve(ANON, 0x7008) is not None
+    # Counters of the dropped reader are kept: totals never go down.
+    totals = JitTotals()
+    totals.add_image(ProcessImage(symbolizer=None, jit=readers[1]), live=True)
+    assert totals.counters[("perf_map", "lines_parsed")] == 400

@@ -488,3 +488,32 @@ def test_node_perf_prof_jitdump(tmp_path: Path) -> None:
     for eh_frame in real:
         length, cie_id = struct.unpack_from("<II", eh_frame, 0)
         assert cie_id == 0 and 4 + length <= len(eh_frame)
+
+
+def test_memory_estimate_matches_what_the_index_really_holds(tmp_path: Path) -> None:
+    """The symbol memory budget counts memory_bytes(); it must be close to what
+    tracemalloc sees the reader hold (within 25%)."""
+    import gc
+    import tracemalloc
+
+    w = Writer()
+    n = 20_000
+    path = tmp_path / "jit-4242.dump"
+    with open(path, "wb") as f:
+        f.write(w.header())
+        for i in range(n):
+            f.write(w.load(0x100000 + i * 64, 48, f"py::function_{i}:/srv/app/mod_{i % 50}.py",
+                           i))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        reader = JitDump(str(path), UID)
+        reader.refresh()
+        assert reader.entry(0x100000 + 5 * 64) is not None  # the index is built
+        gc.collect()
+        held, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(reader) == n
+    estimate = reader.memory_bytes()
+    assert 0.75 * held <= estimate <= 1.25 * held, (estimate, held)

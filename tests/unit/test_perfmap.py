@@ -524,3 +524,28 @@ def test_node_perf_basic_prof(node_process: subprocess.Popen[str], tmp_path: Pat
         assert pm.lookup(end - 1) == name
     # Names look like "JS:*spin /path/spin.js:2:14" (tier marker varies).
     assert any(n.split(" ", 1)[0].endswith("spin") for _, _, n in spins)
+
+
+def test_memory_estimate_matches_what_the_index_really_holds(tmp_path: Path) -> None:
+    """The symbol memory budget counts memory_bytes(); it must be close to what
+    tracemalloc sees the reader hold (within 25%)."""
+    import gc
+    import tracemalloc
+
+    path = tmp_path / "perf-1.map"
+    n = 100_000
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(f"{0x7f0000000000 + i * 64:x} 30 py::function_{i}:/srv/app/mod_{i % 50}.py\n")
+    gc.collect()
+    tracemalloc.start()
+    try:
+        reader = PerfMap(str(path), None)
+        reader.refresh()
+        assert reader.lookup(0x7f0000000000 + 5 * 64) is not None  # the index is built
+        gc.collect()
+        held, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    estimate = reader.memory_bytes()
+    assert 0.75 * held <= estimate <= 1.25 * held, (estimate, held)

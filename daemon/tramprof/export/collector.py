@@ -108,6 +108,12 @@ class ProfilerCollector(Collector):
                 scan_refusals.add_metric([reason], count)
         yield refusals
         yield scan_refusals
+        memory = _family(fam.SYMBOL_MEMORY)
+        memory.add_metric([], stats.symbol_memory_bytes)
+        yield memory
+        evictions = _family(fam.SYMBOL_EVICTIONS)
+        evictions.add_metric([], stats.symbol_evictions)
+        yield evictions
         process_errors = _family(fam.PROCESS_ERRORS)
         for stage, count in sorted(stats.process_errors.items()):
             process_errors.add_metric([stage], count)

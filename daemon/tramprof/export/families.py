@@ -120,6 +120,14 @@ SERIES = Family(
     "Live series of the stack and function families, [other] included; together they stay "
     "within the configured series budget.")
 
+SYMBOL_MEMORY = Family(
+    "tramprof_symbol_memory_bytes", "gauge", (),
+    "Estimated memory held by the perf map and jitdump indexes of all processes; kept "
+    "within symbol_memory_bytes by evicting the least recently sampled processes' indexes.")
+SYMBOL_EVICTIONS = Family(
+    "tramprof_symbol_evictions", "counter", (),
+    "Perf map / jitdump indexes dropped to stay within symbol_memory_bytes; that process's "
+    "JIT frames stay unnamed for ten minutes.")
 UNWIND_SAMPLES = Family(
     "tramprof_unwind_samples", "counter", ("mode",),
     "User stacks by unwinding mode: chain (through the trampoline runtime's frame "
@@ -171,7 +179,7 @@ ALL: tuple[Family, ...] = (
     DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
     JIT_RECORDS_DROPPED, JIT_BYTES_READ, UNWIND_SAMPLES, PYTHON_FRAMES_TRUNCATED,
     CHAIN_INVALID, SCAN_STALE, SCAN_WINDOWS_EXHAUSTED, SCAN_OVERFLOWS, SCAN_REFUSALS,
-    UNWIND_REFUSALS, PROCESS_ERRORS, STACK_SAMPLES,
+    UNWIND_REFUSALS, PROCESS_ERRORS, SYMBOL_MEMORY, SYMBOL_EVICTIONS, STACK_SAMPLES,
     FUNCTION_SAMPLES, DROPPED_SERIES, SERIES,
 )
 

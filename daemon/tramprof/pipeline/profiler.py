@@ -221,6 +221,9 @@ class Profiler:
         self.stats.process_errors = Counter(self.errors.by_stage)
         self.stats.drains += 1
         self.stats.last_drain_seconds = time.monotonic() - began
+        self.stats.symbol_memory_bytes = self.registry.enforce_memory_budget(
+            self.config.symbol_memory_bytes)
+        self.stats.symbol_evictions = self.registry.jit_evictions
         jit = self.registry.jit_totals()
         self.stats.jit_counters, self.stats.jit_entries, self.stats.jit_files = \
             jit.counters, jit.entries, jit.files

@@ -74,6 +74,10 @@ class ProfilerStats:
     unwind_samples: dict[str, int] = field(default_factory=dict)
     # (mode, reason) -> processes a mode refused or failed.
     unwind_refusals: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # Estimated memory of the perf map / jitdump indexes, and how many were
+    # dropped to stay within symbol_memory_bytes.
+    symbol_memory_bytes: int = 0
+    symbol_evictions: int = 0
     # Failures inside the per-process error boundary, by stage.
     process_errors: Counter[str] = field(default_factory=Counter)
 

@@ -21,7 +21,7 @@ from tramprof.procfs.identity import ProcessIdentity, boottime_ns_to_ticks
 from tramprof.procfs.metadata import ProcessMetadata, read_metadata
 from tramprof.procfs.table import ProcessTable
 from tramprof.symbols.elf import ElfCache
-from tramprof.symbols.jit import JitLimits, JitSymbols
+from tramprof.symbols.jit import GAUGES, JitLimits, JitSymbols
 from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,10 @@ class JitTotals:
     def add_image(self, image: ProcessImage, live: bool) -> None:
         if image.jit is None:
             return
-        for kind, reader in (("perf_map", image.jit.perf_map), ("jitdump", image.jit.jitdump)):
+        self.counters.update(image.jit.retired_counters)
+        for kind, reader in image.jit.sources():
             for name, value in reader.stats.as_dict().items():
-                if name not in ("entries", "bytes_capped"):  # gauges
+                if name not in GAUGES:
                     self.counters[(kind, name)] += value
             if live and len(reader):
                 self.entries[kind] += len(reader)
@@ -85,6 +86,26 @@ class ProcessState:
     name: str
     metadata: ProcessMetadata
     images: dict[int, ProcessImage] = field(default_factory=dict)
+
+
+def evict_to_budget(readers: list[JitSymbols], budget: int) -> tuple[int, int]:
+    """Evict the indexes of the least recently sampled processes until the
+    estimated total is within ``budget`` bytes: (total after, evictions)."""
+    total = sum(jit.memory_bytes() for jit in readers)
+    evicted = 0
+    for jit in sorted(readers, key=lambda j: j.last_used):
+        if total <= budget:
+            break
+        size = jit.memory_bytes()
+        if size == 0:
+            continue
+        log.warning("symbol memory budget (%d bytes) used up: dropping the perf map / jitdump "
+                    "index of pid %d (%d bytes), the least recently sampled", budget, jit.pid,
+                    size)
+        jit.evict()
+        evicted += 1
+        total -= size
+    return total, evicted
 
 
 class ProcessRegistry:
@@ -102,6 +123,8 @@ class ProcessRegistry:
                                                                on_drop=self._retire)
         self._pending: list[ProcessEvent] = []
         self._retired = JitTotals()
+        self.jit_evictions = 0
+        self.jit_memory_bytes = 0
 
     def __len__(self) -> int:
         return len(self._table)
@@ -189,6 +212,22 @@ class ProcessRegistry:
             for image in state.images.values() if state else ():
                 totals.add_image(image, live=True)
         return totals
+
+    def _live_jit(self) -> list[JitSymbols]:
+        out: list[JitSymbols] = []
+        for identity in self._table.identities():
+            state = self._table.get(identity.pid, identity.start_ticks)
+            out.extend(image.jit for image in (state.images.values() if state else ())
+                       if image.jit is not None)
+        return out
+
+    def enforce_memory_budget(self, budget: int) -> int:
+        """Keep the JIT indexes of live processes within ``budget`` bytes
+        (see ``evict_to_budget``); returns the estimated total."""
+        total, evicted = evict_to_budget(self._live_jit(), budget)
+        self.jit_evictions += evicted
+        self.jit_memory_bytes = total
+        return total
 
     def metadata(self, pid: int) -> ProcessMetadata | None:
         """Labels of a process read when it was first seen (it may have exited since)."""

@@ -15,6 +15,7 @@ A lookup that misses re-reads the files (at most once per
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from tramprof.symbols.tailreader import RefreshResult
 # The kernel stamps file times with a coarse clock (up to a jiffy behind the
 # precise clock a process start is measured with).
 MTIME_SLACK_NS = 20_000_000
+#: Reader statistics that are gauges, not counters.
+GAUGES = frozenset(("entries", "bytes_capped"))
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,10 @@ class JitLimits:
     max_line_bytes: int = 4096
     max_entries: int = 2_000_000
     refresh_interval: float = 1.0
+    # After an eviction by the memory budget, the files are not read again
+    # for this long (seconds): a process that does not fit must not cost a
+    # full re-read at every miss.
+    evicted_backoff: float = 600.0
 
 
 def boot_time_realtime_ns() -> int:
@@ -70,17 +77,50 @@ class JitSymbols:
         not_before = None
         if start_boottime_ns is not None:
             not_before = boot_time_realtime_ns() + start_boottime_ns - MTIME_SLACK_NS
-        self.perf_map = PerfMap.for_process(
-            pid, nstgid, euid, proc_root=proc_root, not_before_ns=not_before,
-            max_file_bytes=self.limits.max_perf_map_bytes,
-            max_line_bytes=self.limits.max_line_bytes, max_entries=self.limits.max_entries)
-        self.jitdump = JitDump.for_process(
-            pid, nstgid, euid, proc_root=proc_root, not_before_ns=not_before,
-            max_file_bytes=self.limits.max_jitdump_bytes, max_entries=self.limits.max_entries)
+        self.perf_map, self.jitdump = self._readers(pid, nstgid, euid, proc_root, not_before)
+        self._reader_args = (pid, nstgid, euid, proc_root, not_before)
         self._last_refresh: float | None = None
         self.last_results: tuple[RefreshResult, RefreshResult] | None = None
         self.lookups = 0
         self.resolved = 0
+        self.last_used = self._clock()
+        self._evicted_until: float | None = None
+        self.evictions = 0
+        # Counters of readers dropped by evictions, so totals stay monotonic.
+        self.retired_counters: Counter[tuple[str, str]] = Counter()
+
+    def _readers(self, pid: int, nstgid: int, euid: int, proc_root: str,
+                 not_before: int | None) -> tuple[PerfMap, JitDump]:
+        return (PerfMap.for_process(
+                    pid, nstgid, euid, proc_root=proc_root, not_before_ns=not_before,
+                    max_file_bytes=self.limits.max_perf_map_bytes,
+                    max_line_bytes=self.limits.max_line_bytes,
+                    max_entries=self.limits.max_entries),
+                JitDump.for_process(
+                    pid, nstgid, euid, proc_root=proc_root, not_before_ns=not_before,
+                    max_file_bytes=self.limits.max_jitdump_bytes,
+                    max_entries=self.limits.max_entries))
+
+    def sources(self) -> tuple[tuple[str, PerfMap | JitDump], ...]:
+        """(kind, reader) of both files, kinds as in the metrics."""
+        return (("perf_map", self.perf_map), ("jitdump", self.jitdump))
+
+    def memory_bytes(self) -> int:
+        """Estimated memory of both indexes."""
+        return self.perf_map.memory_bytes() + self.jitdump.memory_bytes()
+
+    def evict(self) -> None:
+        """Drop both indexes (the symbol memory budget is used up); JIT frames
+        of this process stay unnamed until ``evicted_backoff`` has passed."""
+        for kind, reader in self.sources():
+            for name, value in reader.stats.as_dict().items():
+                if name not in GAUGES:
+                    self.retired_counters[(kind, name)] += value
+        self.perf_map, self.jitdump = self._readers(*self._reader_args)
+        self._last_refresh = None
+        self.last_results = None
+        self._evicted_until = self._clock() + self.limits.evicted_backoff
+        self.evictions += 1
 
     def refresh(self) -> None:
         self._last_refresh = self._clock()
@@ -92,6 +132,11 @@ class JitSymbols:
     def resolve(self, mapping: Mapping, addr: int) -> str | None:
         """Name of the JIT code at ``addr`` (inside anonymous executable ``mapping``)."""
         self.lookups += 1
+        now = self.last_used = self._clock()
+        if self._evicted_until is not None:
+            if now < self._evicted_until:
+                return None
+            self._evicted_until = None
         if self._last_refresh is None:
             self.refresh()
         name = self._lookup(addr)

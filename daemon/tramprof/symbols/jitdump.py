@@ -43,6 +43,11 @@ from tramprof.symbols.tailreader import (
     process_tmp_file,
 )
 
+#: Memory per code entry besides its name and unwinding/debug data (a JitCode,
+#: its index slots and its by-address slot), measured with tracemalloc
+#: (tests/unit/test_jitdump.py checks the estimate).
+ENTRY_BYTES = 260
+
 JITDUMP_MAGIC: Final = 0x4A695444
 JITDUMP_MAGIC_SWAPPED: Final = 0x4454694A
 JITDUMP_VERSION: Final = 1
@@ -231,6 +236,7 @@ class JitDump(ProcessTmpFile):
 
     def _reset(self) -> None:
         self._index.clear()
+        self._payload_bytes = 0
         self.header: JitHeader | None = None
         #: Why the current file stopped being parsed, if it did.
         self.corrupt_reason: str | None = None
@@ -376,6 +382,9 @@ class JitDump(ProcessTmpFile):
             return
         code = JitCode(sys.intern(name), code_addr, code_size, code_index, debug, unwind)
         self._index.add(code_addr, code_addr + code_size, code)
+        self._payload_bytes += len(name) + (
+            len(unwind.eh_frame) + len(unwind.eh_frame_hdr) if unwind else 0) + (
+            16 * len(debug.offsets) if debug else 0)
         self._by_addr[code_addr] = code
         self._placed += 1
 
@@ -464,6 +473,10 @@ class JitDump(ProcessTmpFile):
         )
 
     # -- lookups ---------------------------------------------------------
+
+    def memory_bytes(self) -> int:
+        """Estimated memory held by the index (what the symbol budget counts)."""
+        return self._index.added * ENTRY_BYTES + self._payload_bytes
 
     def entry(self, addr: int) -> JitCode | None:
         """The newest code covering ``addr``, or None."""
