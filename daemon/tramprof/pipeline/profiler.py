@@ -26,7 +26,7 @@ from tramprof.pipeline.stats import ProcessSamples, ProfilerStats
 from tramprof.procfs.events import open_event_source
 from tramprof.sampler.layout import Counter as BpfCounter
 from tramprof.sampler.program import Sampler, SamplerConfig
-from tramprof.symbols.images import ProcessRegistry
+from tramprof.symbols.images import ProcessImage, ProcessRegistry
 from tramprof.symbols.kallsyms import KernelSymbols
 from tramprof.unwind.chain import ChainMode
 from tramprof.unwind.mode import FP, MapWriter, UnwindModes
@@ -123,6 +123,9 @@ class Profiler:
         self.events = open_event_source(log)
         self.unwinders = unwind_modes(_SamplerMaps(lambda: self.sampler), config.proc_root)
         self.errors = ProcessErrors()
+        # pid -> the maps generation its unwinding modes last looked at.
+        self._considered: dict[int, int] = {}
+        self._sampled: dict[int, ProcessImage] = {}
 
     def start(self) -> None:
         # Parse kallsyms now (~0.5 s of CPU), before sampling starts: new
@@ -155,8 +158,8 @@ class Profiler:
                 continue
             with self.errors.boundary(tgid, "new_process", partial(self._drop, tgid)):
                 image = self.registry.warm(tgid, start, exec_id)
-                if image is not None and image.symbolizer is not None:
-                    self.unwinders.consider(tgid, image.symbolizer.mappings)
+                if image is not None:
+                    self._consider(tgid, image)
         events = self.events.read_events()
         for event in events:
             self.stats.process_events[event.kind] += 1
@@ -166,6 +169,16 @@ class Profiler:
         self._refresh_modes()
         self.registry.defer(events)
 
+    def _consider(self, pid: int, image: ProcessImage) -> None:
+        """Let the modes look at a process whose maps they have not seen yet:
+        first sampled, or re-read since (it loaded a runtime, made arenas)."""
+        symbolizer = image.symbolizer
+        if symbolizer is None or self._considered.get(pid) == symbolizer.maps_generation:
+            return
+        mappings = symbolizer.mappings
+        self._considered[pid] = symbolizer.maps_generation
+        self.unwinders.consider(pid, mappings)
+
     def _drop(self, pid: int) -> None:
         """Roll back what the modes installed for a process that failed."""
         self.unwinders.forget(pid)
@@ -173,6 +186,8 @@ class Profiler:
     def _refresh_modes(self) -> None:
         live = {identity.pid for identity in self.registry.identities()}
         self.errors.forget_exited(live)
+        for pid in [p for p in self._considered if p not in live]:
+            del self._considered[pid]
         healthy = {pid for pid in live if not self.errors.backing_off(pid)}
         for pid in live - healthy:
             self.unwinders.forget(pid)
@@ -198,6 +213,11 @@ class Profiler:
                 # A bug in one stack must not stop the daemon; count it, keep the rest.
                 self.stats.symbolization_failures["internal_error"] += sample.count
                 log.exception("cannot symbolize a sample of pid %d", sample.tgid)
+        sampled, self._sampled = self._sampled, {}
+        for pid, image in sampled.items():
+            if not self.errors.backing_off(pid):
+                with self.errors.boundary(pid, "unwind_consider", partial(self._drop, pid)):
+                    self._consider(pid, image)
         self.poll_process_events()
         self.registry.apply_pending()
         # A process whose main thread exits first sends no process-level exit
@@ -244,6 +264,8 @@ class Profiler:
             process, image = self.registry.image(sample.tgid, sample.start_boottime_ns,
                                                  sample.exec_id, sample.comm)
             user = image.resolve if image else None
+            if image is not None:
+                self._sampled[sample.tgid] = image
         frames = stack_frames(sample, user, self.kernel.resolve,
                               self.stats.symbolization_failures,
                               self.unwinders.arenas(sample.tgid))

@@ -114,6 +114,8 @@ class ProcessSymbolizer:
         self._mappings: list[Mapping] = []
         self._starts: list[int] = []
         self._maps_loaded_at: float | None = None
+        #: Bumped whenever the maps were re-read: new libraries, new JIT arenas.
+        self.maps_generation = 0
         self._maps_error: FailureReason | None = None
         self._objects: dict[Mapping, _ObjectState] = {}
         # Files opened by preload() and not parsed yet.
@@ -143,6 +145,7 @@ class ProcessSymbolizer:
             self._maps_error = FailureReason.MAPS_UNREADABLE
             return
         self._maps_error = None
+        self.maps_generation += 1
         self._mappings = mappings
         self._starts = [m.start for m in mappings]
         live = set(mappings)

@@ -79,6 +79,7 @@ class ScanProcess:
 @dataclass
 class _Candidate:
     perf_map: PerfMap
+    refused: str | None = None  # why the perf map was last refused
     stubs: list[tuple[int, int]] = field(default_factory=list)  # (address, size) of py:: lines
 
 
@@ -145,9 +146,14 @@ class ScanMode:
         self.forget(pid)
         self._refused[pid] = (reason, detail)
 
-    def _new_stubs(self, cand: _Candidate) -> bool:
+    def _new_stubs(self, pid: int, cand: _Candidate) -> bool:
         """Adds the perf map's new py:: entries; True when there were any."""
         result = cand.perf_map.refresh(MAX_PERF_MAP_READ)
+        if result.refused is not None and result.refused not in ("missing", cand.refused):
+            # Counted once per process and reason: a planted FIFO, symlink, ...
+            self._errors[f"perf_map_{result.refused}"] += 1
+            log.info("pid %d: perf map refused (%s)", pid, result.refused)
+        cand.refused = result.refused
         if result.refused is not None or (not result.new_entries and not result.reloaded):
             return False
         cand.stubs = [(start, end - start) for start, end, name in cand.perf_map.symbols()
@@ -156,7 +162,7 @@ class ScanMode:
 
     def _update(self, pid: int) -> None:
         cand = self._candidates[pid]
-        if not self._new_stubs(cand):
+        if not self._new_stubs(pid, cand):
             return
         known = self._procs.get(pid)
         if known is not None:
