@@ -37,6 +37,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -156,6 +157,7 @@ static int tramprof_mode_value;         /* 0 inactive, else TRAMPROF_MODE_* */
 static unsigned char *tramprof_cur_arena;
 static size_t tramprof_cur_used;        /* stubs handed out in the current arena */
 static int tramprof_map_fd = -1;
+static int tramprof_map_wanted;         /* stubs were activated: a map belongs to this process */
 static char tramprof_map_path[64];
 static char **tramprof_lines;           /* perf map line of every stub, for fork */
 static size_t tramprof_nlines, tramprof_cap_lines;
@@ -234,18 +236,117 @@ tramprof_write_all(int fd, const char *buf, size_t len)
     return 0;
 }
 
-static int
-tramprof_open_map(char *err, size_t errlen)
+/* Warnings go to sys.stderr (the GIL is held by every caller). */
+static void
+tramprof_warn(const char *fmt, ...)
 {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    PySys_WriteStderr("tramprof_trampolines: %s\n", msg);
+}
+
+/* Why an existing path is not ours to replace, or NULL if it is: a regular
+ * file owned by our euid with a single link (left by an earlier process with
+ * the same pid, or by this process before an exec). */
+static const char *
+tramprof_foreign_reason(const struct stat *st, char *buf, size_t buflen)
+{
+    if (S_ISLNK(st->st_mode))
+        return "it is a symbolic link";
+    if (S_ISFIFO(st->st_mode))
+        return "it is a FIFO";
+    if (S_ISDIR(st->st_mode))
+        return "it is a directory";
+    if (S_ISSOCK(st->st_mode))
+        return "it is a socket";
+    if (S_ISCHR(st->st_mode) || S_ISBLK(st->st_mode))
+        return "it is a device node";
+    if (!S_ISREG(st->st_mode))
+        return "it is not a regular file";
+    if (st->st_uid != geteuid()) {
+        snprintf(buf, buflen, "it is owned by uid %lu, not by this process (uid %lu)",
+                 (unsigned long)st->st_uid, (unsigned long)geteuid());
+        return buf;
+    }
+    if (st->st_nlink != 1) {
+        snprintf(buf, buflen, "it has %lu hard links", (unsigned long)st->st_nlink);
+        return buf;
+    }
+    return NULL;
+}
+
+/* Creates *path* as a new private file (mode 0600) and returns its fd.
+ * Never follows a symlink, never blocks on a FIFO, never truncates or
+ * writes into an existing file: a stale file of our own is unlinked and the
+ * exclusive create retried once; anything else is refused with the reason
+ * in *why* (and -1 returned). */
+static int
+tramprof_create_private(const char *path, int access, char *why, size_t whylen)
+{
+    const int flags = access | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC;
+    char reason[128];
+    for (int attempt = 0; attempt < 2; attempt++) {
+        int fd = open(path, flags, 0600);
+        if (fd >= 0) {
+            /* O_EXCL: a new regular file of ours. Writes may block again. */
+            int fl = fcntl(fd, F_GETFL);
+            if (fl >= 0)
+                (void)fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+            return fd;
+        }
+        if (errno != EEXIST) {
+            snprintf(why, whylen, "cannot create it: %s", strerror(errno));
+            return -1;
+        }
+        struct stat st;
+        if (lstat(path, &st) != 0) {
+            if (errno == ENOENT)
+                continue;               /* gone meanwhile: try again */
+            snprintf(why, whylen, "it exists and cannot be inspected: %s", strerror(errno));
+            return -1;
+        }
+        const char *bad = tramprof_foreign_reason(&st, reason, sizeof(reason));
+        if (bad != NULL) {
+            snprintf(why, whylen, "%s", bad);
+            return -1;
+        }
+        if (attempt > 0)
+            break;
+        /* Ours and stale: replace it (unlink, never truncate). In a sticky
+         * /tmp nobody else can swap the name for another file meanwhile. */
+        if (unlink(path) != 0 && errno != ENOENT) {
+            snprintf(why, whylen, "cannot remove a stale copy: %s", strerror(errno));
+            return -1;
+        }
+    }
+    snprintf(why, whylen, "it was created again after removing a stale copy");
+    return -1;
+}
+
+/* Opens this process's /tmp/perf-<pid>.map and writes every line remembered
+ * so far (stubs inherited over fork, or made while no map could be written).
+ * On failure: one warning, and the stubs run without a perf map. */
+static void
+tramprof_open_map(void)
+{
+    char why[256];
     snprintf(tramprof_map_path, sizeof(tramprof_map_path), "/tmp/perf-%ld.map", (long)getpid());
-    int fd = open(tramprof_map_path, O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
+    int fd = tramprof_create_private(tramprof_map_path, O_WRONLY | O_APPEND, why, sizeof(why));
     if (fd < 0) {
-        tramprof_seterr(err, errlen, "cannot open perf map %s: %s", tramprof_map_path,
-                        strerror(errno));
-        return -1;
+        tramprof_warn("not writing perf map %s: %s; stubs run without a perf map",
+                      tramprof_map_path, why);
+        return;
+    }
+    for (size_t i = 0; i < tramprof_nlines; i++) {
+        if (tramprof_write_all(fd, tramprof_lines[i], strlen(tramprof_lines[i])) != 0) {
+            tramprof_warn("writing perf map %s: %s", tramprof_map_path, strerror(errno));
+            break;
+        }
     }
     tramprof_map_fd = fd;
-    return 0;
 }
 
 /* ------------------------------------------------------------------------
@@ -257,6 +358,7 @@ tramprof_open_map(char *err, size_t errlen)
 #define TRAMPROF_ALIGN8(x) (((x) + 7u) & ~(size_t)7u)
 
 static int tramprof_jit_fd = -1;
+static int tramprof_jit_wanted;         /* jitdump was requested with stubs */
 static char tramprof_jit_path[64];
 static uint64_t tramprof_jit_index;
 static unsigned char tramprof_unwind[128];   /* .eh_frame followed by .eh_frame_hdr */
@@ -392,17 +494,20 @@ tramprof_line_name(const char *line)
 
 /* Opens /tmp/jit-<pid>.dump, writes the header, maps its first page
  * executable (perf notices the file through that mmap event) and emits
- * every stub made so far. */
-static int
-tramprof_open_jitdump(char *err, size_t errlen)
+ * every stub made so far. On failure: one warning, and no jitdump. */
+static void
+tramprof_open_jitdump(void)
 {
 #if defined(__x86_64__)
+    char why[256];
     tramprof_build_unwind(tramprof_descriptor.stub_size);
     snprintf(tramprof_jit_path, sizeof(tramprof_jit_path), "/tmp/jit-%ld.dump", (long)getpid());
-    int fd = open(tramprof_jit_path, O_CREAT | O_TRUNC | O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0600);
+    /* O_RDWR: the marker mapping below needs read access. */
+    int fd = tramprof_create_private(tramprof_jit_path, O_RDWR, why, sizeof(why));
     if (fd < 0) {
-        tramprof_seterr(err, errlen, "cannot open %s: %s", tramprof_jit_path, strerror(errno));
-        return -1;
+        tramprof_warn("not writing jitdump %s: %s; running without a jitdump",
+                      tramprof_jit_path, why);
+        return;
     }
     unsigned char header[40], *p = header;
     put_u32(&p, TRAMPROF_JIT_MAGIC);
@@ -413,17 +518,19 @@ tramprof_open_jitdump(char *err, size_t errlen)
     put_u32(&p, (uint32_t)getpid());
     put_u64(&p, tramprof_now_ns());
     put_u64(&p, 0);                 /* flags */
-    if (tramprof_write_all(fd, (const char *)header, sizeof(header)) != 0) {
-        tramprof_seterr(err, errlen, "writing %s: %s", tramprof_jit_path, strerror(errno));
-        close(fd);
-        return -1;
+    void *marker = MAP_FAILED;
+    const char *step = "writing";
+    if (tramprof_write_all(fd, (const char *)header, sizeof(header)) == 0) {
+        step = "mapping";
+        marker = mmap(NULL, (size_t)sysconf(_SC_PAGESIZE), PROT_READ | PROT_EXEC,
+                      MAP_PRIVATE, fd, 0);
     }
-    void *marker = mmap(NULL, (size_t)sysconf(_SC_PAGESIZE), PROT_READ | PROT_EXEC,
-                        MAP_PRIVATE, fd, 0);
     if (marker == MAP_FAILED) {
-        tramprof_seterr(err, errlen, "mapping %s: %s", tramprof_jit_path, strerror(errno));
+        tramprof_warn("%s jitdump %s: %s; running without a jitdump", step,
+                      tramprof_jit_path, strerror(errno));
         close(fd);
-        return -1;
+        (void)unlink(tramprof_jit_path);    /* ours: we just created it */
+        return;
     }
     /* The marker mapping is deliberately kept for the life of the process. */
     tramprof_jit_fd = fd;
@@ -439,27 +546,84 @@ tramprof_open_jitdump(char *err, size_t errlen)
         tramprof_jit_emit((uintptr_t)strtoull(tramprof_lines[i], NULL, 16), copy);
         free(copy);
     }
-    return 0;
-#else
-    tramprof_seterr(err, errlen, "jitdump needs stubs, which exist only on x86-64");
-    return -1;
 #endif
 }
 
-/* Remember the line (for fork children) and write it, one write(2) per line;
- * the same stub goes to the jitdump when that is on. */
-static void
-tramprof_emit_stub(uintptr_t addr, const char *qualname, const char *filename)
+/* Copies s[0:n] (UTF-8) to out with every control character made visible,
+ * so a name can never start a new line or carry a terminal escape: bytes
+ * below 0x20 and 0x7f become \n, \r, \t or \xNN; the C1 controls
+ * U+0080..U+009F and the separators U+2028, U+2029 (line breaks for some
+ * readers) become \u00NN, \u2028, \u2029. Everything else is copied, so
+ * ordinary names are unchanged. Returns the length written (out == NULL:
+ * only measures). */
+static size_t
+tramprof_escape(char *out, const char *s, size_t n)
 {
-    int n = snprintf(NULL, 0, "%" PRIxPTR " %x py::%s:%s\n", addr,
-                     (unsigned)tramprof_descriptor.stub_size, qualname, filename);
-    if (n <= 0)
+    static const char hex[] = "0123456789abcdef";
+    size_t len = 0;
+    char esc[8];
+    for (size_t i = 0; i < n; i++) {
+        unsigned char b = (unsigned char)s[i];
+        size_t elen = 0;
+        if (b < 0x20 || b == 0x7f) {
+            esc[0] = '\\';
+            if (b == '\n' || b == '\r' || b == '\t') {
+                esc[1] = b == '\n' ? 'n' : b == '\r' ? 'r' : 't';
+                elen = 2;
+            } else {
+                esc[1] = 'x'; esc[2] = hex[b >> 4]; esc[3] = hex[b & 15];
+                elen = 4;
+            }
+        } else if (b == 0xc2 && i + 1 < n && (unsigned char)s[i + 1] >= 0x80 &&
+                   (unsigned char)s[i + 1] <= 0x9f) {
+            unsigned char c = (unsigned char)s[++i];
+            memcpy(esc, "\\u00", 4); esc[4] = hex[c >> 4]; esc[5] = hex[c & 15];
+            elen = 6;
+        } else if (b == 0xe2 && i + 2 < n && (unsigned char)s[i + 1] == 0x80 &&
+                   ((unsigned char)s[i + 2] == 0xa8 || (unsigned char)s[i + 2] == 0xa9)) {
+            memcpy(esc, (unsigned char)s[i + 2] == 0xa8 ? "\\u2028" : "\\u2029", 6);
+            elen = 6;
+            i += 2;
+        }
+        if (elen == 0) {
+            if (out != NULL)
+                out[len] = (char)b;
+            len++;
+        } else {
+            if (out != NULL)
+                memcpy(out + len, esc, elen);
+            len += elen;
+        }
+    }
+    return len;
+}
+
+/* Remember the line (for fork children) and write it, one write(2) per line;
+ * the same stub goes to the jitdump when that is on. The line is CPython's
+ * "START SIZE py::<qualname>:<filename>" with both names escaped. */
+static void
+tramprof_emit_stub(uintptr_t addr, const char *qualname, size_t qualname_len,
+                   const char *filename, size_t filename_len)
+{
+    char prefix[64];
+    int plen = snprintf(prefix, sizeof(prefix), "%" PRIxPTR " %x py::", addr,
+                        (unsigned)tramprof_descriptor.stub_size);
+    if (plen <= 0 || (size_t)plen >= sizeof(prefix))
         return;
-    char *line = malloc((size_t)n + 1);
+    size_t qlen = tramprof_escape(NULL, qualname, qualname_len);
+    size_t flen = tramprof_escape(NULL, filename, filename_len);
+    size_t n = (size_t)plen + qlen + 1 + flen + 1;
+    char *line = malloc(n + 1);
     if (line == NULL)
         return;
-    snprintf(line, (size_t)n + 1, "%" PRIxPTR " %x py::%s:%s\n", addr,
-             (unsigned)tramprof_descriptor.stub_size, qualname, filename);
+    char *q = line;
+    memcpy(q, prefix, (size_t)plen);
+    q += plen;
+    q += tramprof_escape(q, qualname, qualname_len);
+    *q++ = ':';
+    q += tramprof_escape(q, filename, filename_len);
+    *q++ = '\n';
+    *q = '\0';
     if (tramprof_nlines == tramprof_cap_lines) {
         size_t cap = tramprof_cap_lines ? tramprof_cap_lines * 2 : 1024;
         char **grown = realloc(tramprof_lines, cap * sizeof(*grown));
@@ -472,7 +636,7 @@ tramprof_emit_stub(uintptr_t addr, const char *qualname, const char *filename)
     }
     tramprof_lines[tramprof_nlines++] = line;
     if (tramprof_map_fd >= 0)
-        (void)tramprof_write_all(tramprof_map_fd, line, (size_t)n);
+        (void)tramprof_write_all(tramprof_map_fd, line, n);
     if (tramprof_jit_fd >= 0) {
         line[n - 1] = '\0';
         tramprof_jit_emit(addr, tramprof_line_name(line) + 1);
@@ -523,16 +687,22 @@ tramprof_new_arena(void)
 }
 #endif
 
+/* UTF-8 of a str (it may hold NULs: the length counts), or *fallback*. */
 static const char *
-tramprof_utf8(PyObject *s, const char *fallback)
+tramprof_utf8(PyObject *s, const char *fallback, size_t *len)
 {
-    if (s == NULL || !PyUnicode_Check(s))
-        return fallback;
-    const char *u = PyUnicode_AsUTF8(s);
+    Py_ssize_t size = 0;
+    const char *u = NULL;
+    if (s != NULL && PyUnicode_Check(s)) {
+        u = PyUnicode_AsUTF8AndSize(s, &size);
+        if (u == NULL)
+            PyErr_Clear();
+    }
     if (u == NULL) {
-        PyErr_Clear();
+        *len = strlen(fallback);
         return fallback;
     }
+    *len = (size_t)size;
     return u;
 }
 
@@ -565,13 +735,14 @@ tramprof_assign_stub(PyCodeObject *co)
     }
     tramprof_cur_used++;
     __atomic_add_fetch(&tramprof_descriptor.stub_count, 1, __ATOMIC_RELEASE);
+    size_t qualname_len, filename_len;
 #if PY_VERSION_HEX >= 0x030B0000
-    const char *qualname = tramprof_utf8(co->co_qualname, "<unknown>");
+    const char *qualname = tramprof_utf8(co->co_qualname, "<unknown>", &qualname_len);
 #else
-    const char *qualname = tramprof_utf8(co->co_name, "<unknown>");
+    const char *qualname = tramprof_utf8(co->co_name, "<unknown>", &qualname_len);
 #endif
-    const char *filename = tramprof_utf8(co->co_filename, "<unknown>");
-    tramprof_emit_stub((uintptr_t)stub, qualname, filename);
+    const char *filename = tramprof_utf8(co->co_filename, "<unknown>", &filename_len);
+    tramprof_emit_stub((uintptr_t)stub, qualname, qualname_len, filename, filename_len);
     TRAMPROF_RESTORE_PENDING();
 #undef TRAMPROF_RESTORE_PENDING
     return (tramprof_stub_fn)(void *)stub;
@@ -657,15 +828,19 @@ tramprof_activate_locked(int mode, int jitdump, char *err, size_t errlen)
     tramprof_interp = interp;
 
 #if defined(__x86_64__)
-    if (mode == TRAMPROF_MODE_STUBS && tramprof_map_fd < 0) {
-        if (tramprof_open_map(err, errlen) != 0)
-            return -1;
-        /* A previous activation in this process already made stubs: their
-         * lines are in this same file. */
-    }
-    if (mode == TRAMPROF_MODE_STUBS && jitdump && tramprof_jit_fd < 0) {
-        if (tramprof_open_jitdump(err, errlen) != 0)
-            return -1;
+    /* A map or jitdump path that is not ours to write (ABI.md section 5) is
+     * a warning, never an error: the stubs run without that file. An open
+     * file is kept across deactivate()/activate(); a refused one is tried
+     * again on the next activation. */
+    if (mode == TRAMPROF_MODE_STUBS) {
+        tramprof_map_wanted = 1;
+        if (tramprof_map_fd < 0)
+            tramprof_open_map();
+        if (jitdump) {
+            tramprof_jit_wanted = 1;
+            if (tramprof_jit_fd < 0)
+                tramprof_open_jitdump();
+        }
     }
 #endif
     tramprof_descriptor.pid = (uint32_t)getpid();
@@ -726,45 +901,32 @@ tramprof_mode(void)
     return tramprof_mode_value;
 }
 
-/* In a fork child (os.fork): a new perf map for the new pid, holding every
- * stub the child inherited. */
+/* In a fork child (os.fork): a new perf map (and jitdump) for the new pid,
+ * holding every stub the child inherited. Problems are warnings. */
 int
 tramprof_after_fork_child(char *err, size_t errlen)
 {
-    int rc = 0;
+    (void)err;
+    (void)errlen;
     PyGILState_STATE gil = PyGILState_Ensure();
     if (tramprof_map_fd >= 0) {
         close(tramprof_map_fd);
         tramprof_map_fd = -1;
-        if (tramprof_open_map(err, errlen) == 0) {
-            for (size_t i = 0; i < tramprof_nlines; i++) {
-                if (tramprof_write_all(tramprof_map_fd, tramprof_lines[i],
-                                       strlen(tramprof_lines[i])) != 0) {
-                    tramprof_seterr(err, errlen, "writing %s: %s", tramprof_map_path,
-                                    strerror(errno));
-                    rc = -1;
-                    break;
-                }
-            }
-        } else {
-            rc = -1;
-        }
     }
+    if (tramprof_map_wanted)
+        tramprof_open_map();
     if (tramprof_jit_fd >= 0) {
         close(tramprof_jit_fd);
         tramprof_jit_fd = -1;
-        char jit_err[256];
-        if (tramprof_open_jitdump(jit_err, sizeof(jit_err)) != 0 && rc == 0) {
-            tramprof_seterr(err, errlen, "%s", jit_err);
-            rc = -1;
-        }
     }
+    if (tramprof_jit_wanted)
+        tramprof_open_jitdump();
     if (tramprof_descriptor.state != 0 || tramprof_mode_value != 0) {
         tramprof_descriptor.pid = (uint32_t)getpid();
         tramprof_bump_generation();
     }
     PyGILState_Release(gil);
-    return rc;
+    return 0;
 }
 
 /* Stub addresses on the current thread's chain, innermost first. */

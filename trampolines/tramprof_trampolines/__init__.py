@@ -60,6 +60,10 @@ def activate(mode: Optional[str] = None, jitdump: Optional[bool] = None) -> None
     stub, for ``perf record -k 1`` + ``perf inject --jit``.
     Raises TrampolineError if another eval-frame function (a debugger, a
     JIT, CPython's own ``-X perf``) is installed: it is never replaced.
+    The perf map and jitdump are created exclusively (mode 0600); if their
+    path is taken by something that is not a stale file of ours (a FIFO, a
+    symlink, another user's file...), a warning goes to stderr and the
+    runtime stays active without that file (see README "Files it writes").
     """
     global _fork_hook_registered
     if mode is None:
@@ -105,7 +109,8 @@ def mode() -> Optional[str]:
 
 
 def perf_map_path() -> Optional[str]:
-    """The perf map this process writes, once stubs were activated."""
+    """The perf map this process writes, once stubs were activated; None
+    if its path was taken by a file that is not ours (see activate())."""
     buf = ffi.new("char[]", 256)
     if lib.tramprof_perf_map_path(buf, 256) != 0:
         return None
@@ -113,7 +118,8 @@ def perf_map_path() -> Optional[str]:
 
 
 def jitdump_path() -> Optional[str]:
-    """The jitdump file this process writes, if jitdump mode is on."""
+    """The jitdump file this process writes, if jitdump mode is on and its
+    path was free (or held a stale file of ours)."""
     buf = ffi.new("char[]", 256)
     if lib.tramprof_jitdump_path(buf, 256) != 0:
         return None
