@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import IS_ROOT
+from tests.conftest import IS_ROOT, Target
 
 ATTACKER = "tramprof-attacker"
 ATTACKERS = Path(__file__).parent / "attackers"
@@ -48,43 +48,22 @@ def attacker_dir(attacker_user: pwd.struct_passwd) -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-class Attacker:
-    """One attacker process, running as the unprivileged user."""
-
-    def __init__(self, user: pwd.struct_passwd, directory: Path, *argv: str) -> None:
-        self.proc = subprocess.Popen(
-            ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
-             "--", "/usr/bin/python3", str(directory / "attacker.py"),
-             *argv],
-            cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if line.strip() != "ready":
-            self.stop()
-            raise RuntimeError(f"attacker {argv} did not start: {line!r} "
-                               f"{self.proc.stderr.read() if self.proc.stderr else ''}")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for name in (f"/tmp/perf-{self.proc.pid}.map", f"/tmp/jit-{self.proc.pid}.dump"):
-            Path(name).unlink(missing_ok=True)
+def attacker_argv(user: pwd.struct_passwd, directory: Path, *argv: str) -> list[str]:
+    """The command line of one attacker process, run as the unprivileged user."""
+    return ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
+            "--", "/usr/bin/python3", str(directory / "attacker.py"), *argv]
 
 
 @pytest.fixture
 def attack(attacker_user: pwd.struct_passwd, attacker_dir: Path) -> Iterator[object]:
-    started: list[Attacker] = []
+    started: list[Target] = []
 
-    def start(*argv: str) -> Attacker:
-        attacker = Attacker(attacker_user, attacker_dir, *argv)
+    def start(*argv: str) -> Target:
+        attacker = Target(attacker_argv(attacker_user, attacker_dir, *argv))
         started.append(attacker)
         return attacker
 
     yield start
     for attacker in started:
         attacker.stop()
+        Path(f"/tmp/jit-{attacker.pid}.dump").unlink(missing_ok=True)
