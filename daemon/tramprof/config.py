@@ -52,6 +52,9 @@ class Config:
     max_series: int = 10000
     max_process_series: int = 1000
     symbol_memory_bytes: int = 128 << 20
+    # "UID:GID" a root daemon switches to once started, keeping only the
+    # capabilities it needs; "" keeps the uid (capabilities are dropped anyway).
+    run_as: str = "65534:65534"
     max_label_bytes: int = 1024
     series_expiry: float = 600.0
     profile_retention: float = 300.0
@@ -59,6 +62,13 @@ class Config:
     tls_key_file: str = ""
     basic_auth_user: str = ""
     basic_auth_password_file: str = ""
+
+    def run_as_ids(self) -> tuple[int, int] | None:
+        """(uid, gid) of ``run_as``, None to keep the uid."""
+        if not self.run_as:
+            return None
+        uid, gid = self.run_as.split(":")
+        return int(uid), int(gid)
 
     def validated(self) -> Config:
         for f in fields(self):
@@ -123,6 +133,9 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "max_series": _range(10, 10_000_000),
     "max_process_series": _range(10, 1_000_000),
     "symbol_memory_bytes": _range(1 << 20, 1 << 36, " (bytes)"),
+    "run_as": lambda v: "" if v == "" or (v.count(":") == 1 and all(
+        p.isascii() and p.isdigit() and int(p) < 1 << 32 for p in v.split(":")))
+    else 'must be "UID:GID" (numbers) or "" to keep the uid',
     "max_label_bytes": _range(64, 65536),
     "series_expiry": _range(1, 86400 * 7, " (seconds)"),
     "profile_retention": _range(1, 86400, " (seconds)"),

@@ -110,14 +110,17 @@ def main(argv: list[str] | None = None) -> int:
             from tramprof.commands.run import run_daemon
 
             overrides = _flag_overrides(args)
-            return run_daemon(config, reload=lambda: load(args.config, overrides=overrides))
+            return run_daemon(config, reload=lambda: load(args.config, overrides=overrides),
+                              run_as=config.run_as_ids())
         if args.command == "record":
             _setup_logging(args.log_level or "warning")
             config = Config(frequency=args.frequency, event=args.event,
                             pids=tuple(args.pids or ()), interval=min(args.duration, 5.0))
             from tramprof.commands.record import record
 
-            return record(config.validated(), args.duration, args.format, args.output)
+            config = config.validated()
+            return record(config, args.duration, args.format, args.output,
+                          run_as=config.run_as_ids())
         if args.command == "doctor":
             from tramprof.commands import doctor
 

@@ -1,6 +1,16 @@
 """``tramprof doctor``: checks the host (and optionally one process) and says
 what to do about every failure, instead of leaving users to decode a bcc
-stack trace."""
+stack trace.
+
+The host checks run with the privileges doctor was started with (they are
+what is being checked, and /proc/kallsyms shows addresses only to a reader
+holding CAP_SYSLOG). Then doctor gives up everything but the runtime
+capabilities and leaves uid 0, exactly as ``tramprof run`` does after
+attaching (and reports how that went): after loading the program when it
+samples, right away when it does not. Only then does it read the process
+under examination, whose files are the attacker's to choose. If the drop
+fails, the process is not examined.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tramprof.commands.privileges import (
+    DEFAULT_RUN_AS,
+    PrivilegeError,
+    drop_after_start,
+)
 from tramprof.sampler.btf import VMLINUX_BTF, BtfError, KernelBtf
 
 CAP_SYS_ADMIN = 21
@@ -85,15 +100,23 @@ def check_headers() -> Check:
                  "run `make setup` (or deploy/install-deps.sh) as root")
 
 
+def _uid(status_text: str | None) -> str:
+    for line in (status_text or "").splitlines():
+        if line.startswith("Uid:"):
+            return line.split()[2]  # real, effective, saved, fs
+    return "?"
+
+
 def check_privileges(status_text: str | None = None) -> Check:
-    caps = effective_caps(status_text if status_text is not None else
-                          _read("/proc/self/status"))
+    status_text = status_text if status_text is not None else _read("/proc/self/status")
+    caps = effective_caps(status_text)
     has = {name for bit, name in ((CAP_SYS_ADMIN, "CAP_SYS_ADMIN"), (CAP_BPF, "CAP_BPF"),
                                   (CAP_PERFMON, "CAP_PERFMON"),
                                   (CAP_SYS_PTRACE, "CAP_SYS_PTRACE")) if caps >> bit & 1}
     bpf_ok = "CAP_SYS_ADMIN" in has or {"CAP_BPF", "CAP_PERFMON"} <= has
     ptrace_ok = "CAP_SYS_PTRACE" in has
-    detail = "effective: " + (", ".join(sorted(has)) or "none of the needed capabilities")
+    detail = f"uid {_uid(status_text)}, effective: " + (
+        ", ".join(sorted(has)) or "none of the needed capabilities")
     if not bpf_ok:
         return Check("privileges", False, detail,
                       "run as root, or grant CAP_BPF + CAP_PERFMON (+ CAP_SYS_PTRACE to read "
@@ -226,14 +249,48 @@ def check_jit_files(pid: int, proc_root: str, expect: bool) -> list[Check]:
     return checks
 
 
-def check_sampled_resolution(pid: int, seconds: float) -> Check:
-    """Samples the process briefly and reports how many JIT frames got names."""
+def check_privilege_drop(run_as: tuple[int, int] | None = DEFAULT_RUN_AS) -> Check:
+    """Drop to what ``tramprof run`` keeps after start-up, and say how it went.
+    Irreversible: call it once, after the host checks (and after loading the
+    program, if sampling)."""
+    name = "privilege drop"
+    try:
+        dropped = drop_after_start(run_as)
+    except PrivilegeError as exc:
+        return Check(name, False, f"{exc}; not examining any process with more privileges "
+                     "than intended", "`tramprof run` refuses to start here for the same "
+                     "reason: run it from the main thread, as root or with the capabilities "
+                     "of deploy/systemd/tramprof.service")
+    if dropped is None:
+        return Check(name, True, f"nothing to drop: uid {os.geteuid()}, no capabilities")
+    detail = (f"{dropped.identity()}; kept {', '.join(dropped.kept) or 'nothing'}, "
+              f"dropped {len(dropped.dropped)} others, as `tramprof run` does after attaching")
+    if dropped.stayed_root and dropped.uid_note:
+        return Check(name, False, detail,
+                     "grant CAP_SETUID and CAP_SETGID for start-up (dropped right after it) "
+                     "so that tramprof leaves uid 0", warning=True)
+    return Check(name, True, detail)
+
+
+def start_sampling(pid: int) -> Any:
+    """Load and attach the sampler for one process (needs the start-up privileges)."""
     from tramprof.config import Config
     from tramprof.pipeline.profiler import Profiler
 
     profiler = Profiler(Config(pids=(pid,), frequency=199))
     try:
         profiler.start()
+    except BaseException:
+        profiler.close()
+        raise
+    return profiler
+
+
+def check_sampled_resolution(pid: int, seconds: float, profiler: Any) -> Check:
+    """Samples the process briefly and reports how many JIT frames got names.
+    ``profiler`` comes from ``start_sampling``, privileges dropped since
+    (``run`` does both); it is closed here."""
+    try:
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             profiler.wait(left)
@@ -256,11 +313,28 @@ def check_sampled_resolution(pid: int, seconds: float) -> Check:
 
 
 def run(pid: int | None = None, proc_root: str = "/proc",
-        sample_seconds: float = 0.0) -> tuple[list[Check], bool]:
+        sample_seconds: float = 0.0,
+        run_as: tuple[int, int] | None = DEFAULT_RUN_AS) -> tuple[list[Check], bool]:
     checks = [check() for check in HOST_CHECKS]
+    profiler = None
+    sampled: Check | None = None
+    if pid is not None and sample_seconds > 0 and os.geteuid() == 0:
+        try:
+            profiler = start_sampling(pid)
+        except Exception as exc:
+            sampled = Check("sampled frames", False, f"cannot sample pid {pid}: {exc}",
+                            warning=True)
+    drop = check_privilege_drop(run_as)
+    checks.append(drop)
+    if not drop.ok and not drop.warning:
+        if profiler is not None:
+            profiler.close()
+        return checks, False
     if pid is not None:
         checks.extend(check_process(pid, proc_root))
-        if sample_seconds > 0 and os.geteuid() == 0:
-            checks.append(check_sampled_resolution(pid, sample_seconds))
+        if profiler is not None:
+            sampled = check_sampled_resolution(pid, sample_seconds, profiler)
+        if sampled is not None:
+            checks.append(sampled)
     ok = all(c.ok or c.warning for c in checks)
     return checks, ok

@@ -39,11 +39,34 @@ CAP_CHECKPOINT_RESTORE
     (Linux >= 5.9) or CAP_SYS_ADMIN. The narrow one is enough; CAP_SYS_ADMIN
     is never kept. Without either, those mappings just stay unnamed.
 
-``drop_capabilities(keep)`` clears the ambient set, removes every other
-capability from the bounding set (needs CAP_SETPCAP, which it then drops
-too), locks the securebits so that an exec as uid 0 cannot regain
-capabilities, sets PR_SET_NO_NEW_PRIVS, and finally sets effective =
-permitted = ``keep`` and inheritable = nothing.
+``drop_capabilities(keep, run_as)`` clears the ambient set, removes every
+other capability from the bounding set (needs CAP_SETPCAP, which it then
+drops too), switches a root process to the ``run_as`` uid/gid with no
+supplementary groups (see below), locks the securebits so that an exec as
+uid 0 cannot regain capabilities, sets PR_SET_NO_NEW_PRIVS, and finally sets
+effective = permitted = ``keep`` and inheritable = nothing. Anything that
+does not end exactly as asked raises PrivilegeError: the commands then exit
+instead of carrying on with more privileges than intended (``drop_after_start``).
+
+Leaving uid 0
+    Capabilities alone leave a root process root: it owns every root file,
+    and with CAP_SYS_PTRACE kept a code-execution bug is host root anyway.
+    So a process running as uid 0 (bare root, Kubernetes) also switches to
+    ``run_as`` (``nobody``, 65534, by default) while keeping exactly ``keep``:
+    PR_SET_KEEPCAPS keeps the permitted set across setresuid(), the
+    effective set (which the uid change clears) is set again, and
+    PR_SET_KEEPCAPS is then cleared and locked. Nothing the running daemon
+    does depends on the uid: /proc/PID/{maps,mem,root,map_files} are checked
+    by ptrace_may_access() (CAP_SYS_PTRACE) and file modes
+    (CAP_DAC_READ_SEARCH), map_files links by CAP_CHECKPOINT_RESTORE, and the
+    BPF map, perf event and netlink descriptors opened at start-up are used
+    without any check. The uid change also makes the process non-dumpable:
+    processes of the new uid cannot read its /proc files nor ptrace it (their
+    capabilities are not a superset of ours either). They can still send it
+    signals, so a uid of its own is better than the shared ``nobody``.
+    Changing the uid needs CAP_SETUID and CAP_SETGID; without them (the
+    Kubernetes DaemonSet grants neither) the uid stays 0, with a warning.
+    A process that is not root (systemd's DynamicUser=) keeps its uid.
 
 Capabilities are per thread: call it from the main thread before any other
 thread exists (it refuses otherwise), so that threads started later inherit
@@ -59,6 +82,7 @@ import os
 import platform
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +106,12 @@ _NAMES = {bit: name for name, bit in CAPABILITIES.items()}
 RUNTIME_CAPABILITIES = frozenset({"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH",
                                   "CAP_CHECKPOINT_RESTORE"})
 
+# A root process switches to this uid/gid after start-up (``run_as``).
+NOBODY = 65534
+DEFAULT_RUN_AS: tuple[int, int] = (NOBODY, NOBODY)
+
 # linux/prctl.h, linux/securebits.h, linux/capability.h
+_PR_SET_KEEPCAPS = 8
 _PR_CAPBSET_READ = 23
 _PR_CAPBSET_DROP = 24
 _PR_GET_SECUREBITS = 27
@@ -95,19 +124,23 @@ _SECBIT_NOROOT = 1 << 0
 _SECBIT_NOROOT_LOCKED = 1 << 1
 _SECBIT_NO_SETUID_FIXUP = 1 << 2
 _SECBIT_NO_SETUID_FIXUP_LOCKED = 1 << 3
+_SECBIT_KEEP_CAPS = 1 << 4
+_SECBIT_KEEP_CAPS_LOCKED = 1 << 5
 _SECBIT_NO_CAP_AMBIENT_RAISE = 1 << 6
 _SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED = 1 << 7
 # No capabilities from exec'ing as root or from file capabilities; no
-# ambient raising. NO_SETUID_FIXUP stays off: a later setuid away from 0
-# should still clear capabilities, not keep them.
+# ambient raising. NO_SETUID_FIXUP and KEEP_CAPS are locked off: a later
+# setuid away from 0 would clear capabilities, not keep them (the uid switch
+# here uses KEEP_CAPS before these are locked).
 _LOCKED_SECUREBITS = (_SECBIT_NOROOT | _SECBIT_NOROOT_LOCKED
-                      | _SECBIT_NO_SETUID_FIXUP_LOCKED
+                      | _SECBIT_NO_SETUID_FIXUP_LOCKED | _SECBIT_KEEP_CAPS_LOCKED
                       | _SECBIT_NO_CAP_AMBIENT_RAISE | _SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED)
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
+_EINVAL = 22
 
 
 class PrivilegeError(OSError):
-    """Capabilities could not be reduced as asked; the message says why."""
+    """Privileges could not be reduced as asked; the message says why."""
 
 
 class _CapHeader(ctypes.Structure):
@@ -137,12 +170,86 @@ def _lib() -> ctypes.CDLL:
     return _libc
 
 
+# -- kernel calls ------------------------------------------------------------------
+# Every call that reads or changes this process's credentials goes through one
+# of these functions (and current_capabilities, _other_threads): the unit
+# tests replace exactly these with a fake kernel.
+
+
 def _prctl(option: int, arg2: int = 0, arg3: int = 0) -> int:
     result = int(_lib().prctl(option, arg2, arg3, 0, 0))
     if result < 0:
         errno = ctypes.get_errno()
         raise OSError(errno, os.strerror(errno))
     return result
+
+
+def _capget() -> tuple[int, int, int]:
+    """This thread's (effective, permitted, inheritable) masks."""
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    if _lib().capget(ctypes.byref(header), data) != 0:
+        errno = ctypes.get_errno()
+        raise PrivilegeError(errno, f"capget: {os.strerror(errno)}")
+    return (data[0].effective | data[1].effective << 32,
+            data[0].permitted | data[1].permitted << 32,
+            data[0].inheritable | data[1].inheritable << 32)
+
+
+def _capset(effective: int, permitted: int, inheritable: int) -> None:
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    for i in range(2):
+        data[i].effective = effective >> (32 * i) & 0xFFFFFFFF
+        data[i].permitted = permitted >> (32 * i) & 0xFFFFFFFF
+        data[i].inheritable = inheritable >> (32 * i) & 0xFFFFFFFF
+    if _lib().capset(ctypes.byref(header), data) != 0:
+        errno = ctypes.get_errno()
+        raise PrivilegeError(errno, f"capset: {os.strerror(errno)}")
+
+
+def _get_ids() -> tuple[tuple[int, int, int], tuple[int, int, int], list[int]]:
+    """(real, effective, saved) uids, the same gids, supplementary groups."""
+    return os.getresuid(), os.getresgid(), os.getgroups()
+
+
+def _set_ids(uid: int, gid: int) -> None:
+    """No supplementary groups, then every gid, then every uid (the order
+    matters: changing the uid first would give up the right to the rest)."""
+    step = "setgroups([])"
+    try:
+        os.setgroups([])
+        step = f"setresgid({gid})"
+        os.setresgid(gid, gid, gid)
+        step = f"setresuid({uid})"
+        os.setresuid(uid, uid, uid)
+    except OSError as exc:
+        raise PrivilegeError(exc.errno, f"{step}: {exc.strerror}") from exc
+
+
+def current_capabilities() -> dict[str, int]:
+    """This thread's CapInh/CapPrm/CapEff/CapBnd/CapAmb masks and NoNewPrivs."""
+    with open("/proc/thread-self/status") as f:
+        return parse_status(f.read())
+
+
+def _other_threads() -> list[str]:
+    """Names of the other threads of this process (they would keep their caps)."""
+    me = threading.get_native_id()
+    names = []
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    for tid in tids:
+        if int(tid) == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f"{tid} ({f.read().strip()})")
+        except OSError:
+            continue  # exited meanwhile
+    return names
 
 
 # -- reading ---------------------------------------------------------------------
@@ -179,12 +286,6 @@ def parse_status(text: str) -> dict[str, int]:
         elif key == "NoNewPrivs":
             out[key] = int(value.strip())
     return out
-
-
-def current_capabilities() -> dict[str, int]:
-    """This thread's CapInh/CapPrm/CapEff/CapBnd/CapAmb masks and NoNewPrivs."""
-    with open("/proc/thread-self/status") as f:
-        return parse_status(f.read())
 
 
 def _normalize(names: Iterable[str]) -> set[str]:
@@ -224,49 +325,66 @@ def runtime_capabilities(kernel: tuple[int, int] | None = None,
 # -- dropping --------------------------------------------------------------------
 
 
-def _other_threads() -> list[str]:
-    """Names of the other threads of this process (they would keep their caps)."""
-    me = threading.get_native_id()
-    names = []
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return []
-    for tid in tids:
-        if int(tid) == me:
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f"{tid} ({f.read().strip()})")
-        except OSError:
-            continue  # exited meanwhile
-    return names
+@dataclass(frozen=True)
+class Dropped:
+    """What a drop did: capabilities kept and given up, the uid/gid before
+    and after, and why the uid stayed 0 if it did."""
+
+    kept: tuple[str, ...]
+    dropped: tuple[str, ...]
+    uid_before: int
+    gid_before: int
+    uid: int
+    gid: int
+    uid_note: str = ""
+    bounding_reduced: bool = True
+
+    @property
+    def stayed_root(self) -> bool:
+        return self.uid == 0
+
+    def identity(self) -> str:
+        if (self.uid, self.gid) == (self.uid_before, self.gid_before):
+            text = f"uid {self.uid}, gid {self.gid} (unchanged)"
+            return text + (f": {self.uid_note}" if self.uid_note else "")
+        return (f"uid {self.uid_before} -> {self.uid}, gid {self.gid_before} -> {self.gid}, "
+                "no supplementary groups")
+
+    def describe(self) -> str:
+        return (f"capabilities kept: {', '.join(self.kept) or 'none'}; dropped: "
+                f"{', '.join(self.dropped) or 'none'}; {self.identity()}; bounding set "
+                f"{'reduced' if self.bounding_reduced else 'unchanged'}; no_new_privs")
 
 
-def drop_capabilities(keep: Iterable[str]) -> list[str]:
+def _has_root_id(uids: Iterable[int]) -> bool:
+    return 0 in tuple(uids)
+
+
+def drop_capabilities(keep: Iterable[str], run_as: tuple[int, int] | None = None
+                      ) -> list[str]:
     """Reduce this process to ``keep`` (names like ``CAP_SYS_PTRACE``).
 
     Effective and permitted become ``keep`` ∩ what we have; inheritable and
     ambient become empty; the bounding set shrinks to ``keep`` where we may
-    change it (CAP_SETPCAP); securebits are locked so that exec cannot
-    regain anything; NO_NEW_PRIVS is set. Returns the names kept (sorted by
-    bit) and logs them. Raises PrivilegeError when the result differs from
-    what was asked, ValueError for an unknown name.
+    change it (CAP_SETPCAP); a root process switches to the ``run_as``
+    (uid, gid) if given (and possible: CAP_SETUID and CAP_SETGID);
+    securebits are locked so that exec cannot regain anything; NO_NEW_PRIVS
+    is set. Returns the names kept (sorted by bit) and logs what was kept and
+    dropped. Raises PrivilegeError when the result differs from what was
+    asked, ValueError for an unknown name.
     """
+    return list(drop_privileges(keep, run_as).kept)
+
+
+def drop_privileges(keep: Iterable[str], run_as: tuple[int, int] | None = None) -> Dropped:
+    """``drop_capabilities``, returning the whole outcome."""
     wanted = _normalize(keep)
     others = _other_threads()
     if others:
         raise PrivilegeError(
             "capabilities are per thread: drop them before starting threads "
             f"(other threads: {', '.join(others)})")
-    lib = _lib()
-    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (_CapData * 2)()
-    if lib.capget(ctypes.byref(header), data) != 0:
-        errno = ctypes.get_errno()
-        raise PrivilegeError(errno, f"capget: {os.strerror(errno)}")
-    permitted = data[0].permitted | data[1].permitted << 32
-    effective = data[0].effective | data[1].effective << 32
+    effective, permitted, _ = _capget()
     have = set(cap_names(permitted))
     kept = {name for name in wanted if name in have}
     missing = wanted - kept
@@ -274,18 +392,33 @@ def drop_capabilities(keep: Iterable[str]) -> list[str]:
         log.warning("cannot keep capabilities we do not have: %s", ", ".join(sorted(missing)))
     keep_mask = cap_mask(kept)
     setpcap = 1 << CAPABILITIES["CAP_SETPCAP"]
+    setids = 1 << CAPABILITIES["CAP_SETUID"] | 1 << CAPABILITIES["CAP_SETGID"]
+    uids, gids, _groups = _get_ids()
+    target: tuple[int, int] | None = None
+    uid_note = ""
+    if run_as is not None and run_as[0] != 0 and _has_root_id(uids):
+        if permitted & setids == setids:
+            target = run_as
+        else:
+            uid_note = "no CAP_SETUID and CAP_SETGID to leave uid 0"
+            log.warning("staying uid 0: no CAP_SETUID and CAP_SETGID to switch to uid %d "
+                        "(grant both for start-up; they are dropped with the rest)",
+                        run_as[0])
 
     # 1. Ambient capabilities would survive exec; clear them (Linux >= 4.3).
     try:
         _prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
     except OSError as exc:
-        if exc.errno != 22:  # EINVAL: kernel without ambient capabilities
-            raise PrivilegeError(exc.errno, f"clearing ambient capabilities: {exc}") from exc
+        if exc.errno != _EINVAL:  # kernel without ambient capabilities
+            raise PrivilegeError(exc.errno, f"clearing ambient capabilities: "
+                                 f"{exc.strerror}") from exc
 
-    # 2. Bounding set and securebits need CAP_SETPCAP in the effective set.
-    if permitted & setpcap and not effective & setpcap:
-        _capset(effective | setpcap, permitted, 0)
-        effective |= setpcap
+    # 2. Bounding set and securebits need CAP_SETPCAP in the effective set,
+    #    the uid switch CAP_SETUID and CAP_SETGID.
+    raise_now = permitted & (setpcap | (setids if target else 0)) & ~effective
+    if raise_now:
+        _capset(effective | raise_now, permitted, 0)
+        effective |= raise_now
     can_setpcap = bool(effective & setpcap)
     undroppable = []
     for bit in range(cap_last_cap() + 1):
@@ -308,43 +441,91 @@ def drop_capabilities(keep: Iterable[str]) -> list[str]:
         # Harmless with NO_NEW_PRIVS (exec cannot gain beyond permitted), so
         # not an error; the unit's CapabilityBoundingSet= normally did it.
         log.info("bounding set keeps %s (no CAP_SETPCAP to drop them)", ", ".join(undroppable))
+
+    # 3. Leave uid 0, keeping the permitted set (the effective set is
+    #    cleared by the kernel when the effective uid leaves 0).
+    if target is not None:
+        try:
+            _prctl(_PR_SET_KEEPCAPS, 1)
+        except OSError as exc:
+            raise PrivilegeError(exc.errno, f"PR_SET_KEEPCAPS: {exc.strerror}") from exc
+        _set_ids(*target)
+        effective, permitted, _ = _capget()
+        if permitted & keep_mask != keep_mask:
+            raise PrivilegeError(f"the uid change took capabilities that must be kept: "
+                                 f"CapPrm={permitted:016x} wanted {keep_mask:016x}")
+        _capset(permitted, permitted, 0)
+        effective = permitted
+        try:
+            _prctl(_PR_SET_KEEPCAPS, 0)
+        except OSError as exc:
+            raise PrivilegeError(exc.errno, f"PR_SET_KEEPCAPS: {exc.strerror}") from exc
+
     if can_setpcap:
         try:
             bits = _prctl(_PR_GET_SECUREBITS)
             if bits & _LOCKED_SECUREBITS != _LOCKED_SECUREBITS:
-                _prctl(_PR_SET_SECUREBITS, bits | _LOCKED_SECUREBITS)
+                _prctl(_PR_SET_SECUREBITS, bits & ~_SECBIT_KEEP_CAPS | _LOCKED_SECUREBITS)
         except OSError as exc:
             log.info("securebits not locked: %s", exc.strerror)
 
-    # 3. No privilege from exec'ing setuid/file-capability programs, ever.
+    # 4. No privilege from exec'ing setuid/file-capability programs, ever.
     try:
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)
     except OSError as exc:
         raise PrivilegeError(exc.errno, f"PR_SET_NO_NEW_PRIVS: {exc.strerror}") from exc
 
-    # 4. The capability sets themselves (drops CAP_SETPCAP unless kept).
+    # 5. The capability sets themselves (drops CAP_SETPCAP, CAP_SETUID, ...
+    #    unless kept).
     _capset(keep_mask, keep_mask, 0)
 
+    # 6. Check the result as the kernel reports it.
     status = current_capabilities()
     if status.get("CapEff") != keep_mask or status.get("CapPrm") != keep_mask \
-            or status.get("CapAmb", 0) != 0 or status.get("NoNewPrivs") != 1:
+            or status.get("CapInh", 0) != 0 or status.get("CapAmb", 0) != 0 \
+            or status.get("NoNewPrivs") != 1:
         raise PrivilegeError(
             f"capabilities not as requested: CapEff={status.get('CapEff', 0):016x} "
-            f"CapPrm={status.get('CapPrm', 0):016x} wanted {keep_mask:016x}")
-    names = cap_names(keep_mask)
-    log.info("capabilities kept: %s; dropped everything else (bounding set %s, "
-             "no_new_privs)", ", ".join(names) or "none",
-             "reduced" if can_setpcap else "unchanged")
-    return names
+            f"CapPrm={status.get('CapPrm', 0):016x} CapAmb={status.get('CapAmb', 0):016x} "
+            f"NoNewPrivs={status.get('NoNewPrivs')} wanted {keep_mask:016x}")
+    new_uids, new_gids, new_groups = _get_ids()
+    if target is not None:
+        uid, gid = target
+        if set(new_uids) != {uid} or set(new_gids) != {gid} or new_groups:
+            raise PrivilegeError(f"identity not as requested: uids {new_uids}, gids "
+                                 f"{new_gids}, groups {new_groups}, wanted {uid}:{gid}")
+    elif new_uids != uids or new_gids != gids:
+        raise PrivilegeError(f"identity changed unexpectedly: uids {uids} -> {new_uids}")
+    outcome = Dropped(kept=tuple(cap_names(keep_mask)),
+                      dropped=tuple(cap_names(permitted & ~keep_mask)),
+                      uid_before=uids[1], gid_before=gids[1], uid=new_uids[1],
+                      gid=new_gids[1], uid_note=uid_note, bounding_reduced=can_setpcap)
+    log.info("%s", outcome.describe())
+    return outcome
 
 
-def _capset(effective: int, permitted: int, inheritable: int) -> None:
-    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (_CapData * 2)()
-    for i in range(2):
-        data[i].effective = effective >> (32 * i) & 0xFFFFFFFF
-        data[i].permitted = permitted >> (32 * i) & 0xFFFFFFFF
-        data[i].inheritable = inheritable >> (32 * i) & 0xFFFFFFFF
-    if _lib().capset(ctypes.byref(header), data) != 0:
-        errno = ctypes.get_errno()
-        raise PrivilegeError(errno, f"capset: {os.strerror(errno)}")
+def nothing_to_drop() -> bool:
+    """Not root and no capability: there is nothing to give up (and the
+    runtime capabilities cannot be kept either)."""
+    uids, _, _ = _get_ids()
+    return not _has_root_id(uids) and not current_capabilities().get("CapPrm")
+
+
+def drop_after_start(run_as: tuple[int, int] | None = DEFAULT_RUN_AS,
+                     keep: Iterable[str] | None = None) -> Dropped | None:
+    """What every command calls once its BPF program is loaded and attached:
+    keep only the runtime capabilities (``runtime_capabilities()`` unless
+    ``keep`` says otherwise) and leave uid 0 for ``run_as``.
+
+    Fails closed: any failure, wherever it happens in the sequence, raises
+    PrivilegeError naming the step; the caller must stop instead of carrying
+    on with more privileges than intended. Returns None when the process
+    had nothing to drop (not root, no capabilities).
+    """
+    try:
+        if nothing_to_drop():
+            log.info("no capabilities to drop (not root, none held)")
+            return None
+        return drop_privileges(runtime_capabilities() if keep is None else keep, run_as)
+    except Exception as exc:
+        raise PrivilegeError(f"cannot drop privileges after start-up: {exc}") from exc

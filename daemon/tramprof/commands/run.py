@@ -8,7 +8,6 @@ detached and unloaded), SIGHUP reloads the configuration in place.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import ssl
 import threading
@@ -19,12 +18,7 @@ from types import FrameType
 
 from prometheus_client.registry import CollectorRegistry
 
-from tramprof.commands.privileges import (
-    PrivilegeError,
-    current_capabilities,
-    drop_capabilities,
-    runtime_capabilities,
-)
+from tramprof.commands.privileges import DEFAULT_RUN_AS, PrivilegeError, drop_after_start
 from tramprof.commands.sdnotify import Notifier
 from tramprof.config import Config, ConfigError
 from tramprof.export.collector import Consistent, ProfilerCollector
@@ -47,8 +41,10 @@ RESTART_ONLY = ("listen", "event", "max_keys", "max_user_stacks", "max_kernel_st
 
 
 class Daemon:
-    def __init__(self, config: Config, reload: Callable[[], Config] | None = None) -> None:
+    def __init__(self, config: Config, reload: Callable[[], Config] | None = None,
+                 run_as: tuple[int, int] | None = DEFAULT_RUN_AS) -> None:
         self.config = config
+        self._run_as = run_as
         self._reload = reload
         self.notifier = Notifier.from_environment(unset_environment=True)
         self.profiler = Profiler(config)
@@ -101,7 +97,16 @@ class Daemon:
             self.notifier.notify(STATUS=f"failed: {str(exc).splitlines()[0]}")
             self.server.close()
             return 1
-        self._drop_privileges()
+        try:
+            self._drop_privileges()
+        except PrivilegeError as exc:
+            # Fail closed: never sample, parse other processes' files or
+            # serve with more privileges than intended.
+            log.error("%s; stopping", exc)
+            self.notifier.notify(STATUS=f"failed: {str(exc).splitlines()[0]}")
+            self.profiler.close()
+            self.server.close()
+            return 1
         self.server.start()
         self._window_start_ns = time.time_ns()
         self.notifier.ready(self._status())
@@ -139,16 +144,11 @@ class Daemon:
     def _drop_privileges(self) -> None:
         """Keep only what the running daemon needs: reading other processes'
         /proc files (a SIGHUP frequency change needs nothing: see
-        Sampler.set_frequency)."""
-        if os.geteuid() != 0 and not current_capabilities().get("CapEff"):
-            return
-        keep = runtime_capabilities()
-        try:
-            kept = drop_capabilities(keep)
-        except (PrivilegeError, ValueError) as exc:
-            log.warning("keeping all capabilities: %s", exc)
-            return
-        log.info("capabilities kept after start-up: %s", ", ".join(kept) or "none")
+        Sampler.set_frequency), and leave uid 0 for ``run_as``. Under
+        systemd the daemon already runs as a DynamicUser= and only drops
+        capabilities; without capabilities and uid 0 there is nothing to drop.
+        Raises PrivilegeError when the drop fails (the caller stops)."""
+        drop_after_start(self._run_as)
 
     def drain(self) -> None:
         stacks = self.profiler.collect()
@@ -199,9 +199,12 @@ def series_config(config: Config) -> SeriesConfig:
                         expiry_seconds=config.series_expiry)
 
 
-def run_daemon(config: Config, reload: Callable[[], Config] | None = None) -> int:
+def run_daemon(config: Config, reload: Callable[[], Config] | None = None,
+               run_as: tuple[int, int] | None = DEFAULT_RUN_AS) -> int:
+    """``run_as``: the (uid, gid) a daemon started as root switches to once
+    the program is attached (None: stay root, only drop capabilities)."""
     try:
-        daemon = Daemon(config, reload)
+        daemon = Daemon(config, reload, run_as)
     except OSError as exc:  # the listen address is taken, a TLS or password file is missing
         log.error("cannot start: %s", exc)
         return 1
