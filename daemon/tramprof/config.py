@@ -62,6 +62,13 @@ class Config:
     tls_key_file: str = ""
     basic_auth_user: str = ""
     basic_auth_password_file: str = ""
+    # HTTP limits: a request's head must arrive within this many seconds;
+    # connections and concurrent profile renderings are capped; a loopback
+    # listener accepts only loopback Host names and these.
+    http_request_timeout: float = 10.0
+    http_max_connections: int = 64
+    http_max_profile_requests: int = 2
+    http_allowed_hosts: tuple[str, ...] = ()
 
     def run_as_ids(self) -> tuple[int, int] | None:
         """(uid, gid) of ``run_as``, None to keep the uid."""
@@ -139,11 +146,14 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "max_label_bytes": _range(64, 65536),
     "series_expiry": _range(1, 86400 * 7, " (seconds)"),
     "profile_retention": _range(1, 86400, " (seconds)"),
+    "http_request_timeout": _range(0.1, 3600, " (seconds)"),
+    "http_max_connections": _range(1, 65536),
+    "http_max_profile_requests": _range(1, 65536),
 }
 
 # The type each setting takes in TOML; tuples are lists of the element type.
 _KINDS: dict[str, type] = {f.name: type(f.default) for f in fields(Config)}
-_ELEMENTS: dict[str, type] = {"pids": int, "group_by": str}
+_ELEMENTS: dict[str, type] = {"pids": int, "group_by": str, "http_allowed_hosts": str}
 
 
 def _coerce(key: str, value: Any) -> Any:

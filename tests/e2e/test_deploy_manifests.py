@@ -267,7 +267,8 @@ def test_daemonset_least_privilege() -> None:
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"]["drop"] == ["ALL"]
     added = {"CAP_" + c for c in sc["capabilities"]["add"]}
-    assert added == RUNTIME_CAPABILITIES | STARTUP_CAPABILITIES
+    # The pod starts as uid 0 and switches to run_as itself: SETUID/SETGID for that.
+    assert added == RUNTIME_CAPABILITIES | STARTUP_CAPABILITIES | {"CAP_SETUID", "CAP_SETGID"}
     assert pod["hostPID"] is True and not pod.get("hostNetwork", False)
     assert pod["automountServiceAccountToken"] is False
     for volume in pod["volumes"]:

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 RESTART_ONLY = ("listen", "event", "max_keys", "max_user_stacks", "max_kernel_stacks",
                 "scan_window_bytes",
                 "proc_root", "tls_cert_file", "tls_key_file", "basic_auth_user",
-                "basic_auth_password_file")
+                "basic_auth_password_file", "http_request_timeout", "http_max_connections",
+                "http_max_profile_requests", "http_allowed_hosts", "run_as")
 
 
 class Daemon:
@@ -64,7 +65,11 @@ class Daemon:
                                            config.basic_auth_password_file)
         self.server = MetricsServer(config.listen, registry, self.health,
                                     profiles=self._profiles, index_seconds=config.interval,
-                                    security=security)
+                                    security=security,
+                                    request_timeout=config.http_request_timeout,
+                                    max_connections=config.http_max_connections,
+                                    max_profile_requests=config.http_max_profile_requests,
+                                    allowed_hosts=config.http_allowed_hosts)
 
     def _metadata(self, stack: Stack) -> ProcessMetadata:
         return self.profiler.registry.metadata(stack.pid) or ProcessMetadata(
@@ -186,6 +191,8 @@ class Daemon:
             log.warning("reload: %s; keeping the running grouping", exc)
             new = replace(new, group_by=self.config.group_by)
         logging.getLogger().setLevel(new.log_level.upper())
+        processes = self.profiler.stats.samples_by_process
+        processes.max_names, processes.expiry = new.max_process_series, new.series_expiry
         self.profiler.config = new
         self.config = new
         log.info("configuration reloaded: %d Hz, interval %.1f s, %s", new.frequency,
