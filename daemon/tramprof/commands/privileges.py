@@ -1,4 +1,5 @@
-"""Give up the capabilities that only start-up needed.
+"""Give up the capabilities that only start-up needed (one job, over 400 lines:
+every step of the drop is checked against what the kernel reports).
 
 Start-up (compiling and loading the BPF program, creating its maps, opening
 one perf event per CPU, subscribing to the process connector, reading

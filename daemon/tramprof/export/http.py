@@ -1,4 +1,5 @@
-"""The daemon's HTTP endpoints.
+"""The daemon's HTTP endpoints (one job, over 400 lines: serving them, with the
+limits that keep one client from starving the others).
 
 ``/metrics`` (Prometheus text or OpenMetrics, by the Accept header),
 ``/profile?seconds=N&format=F&pid=P`` (the last N seconds of stacks),

@@ -1,4 +1,5 @@
-"""Stack and function series for Prometheus, under a cardinality budget.
+"""Stack and function series for Prometheus, under a cardinality budget (one
+job, over 400 lines: top-K per group, the global budget and expiry together).
 
 Every sample lands in exactly one stack series and one self series, so the
 series of a family always add up to the samples profiled:

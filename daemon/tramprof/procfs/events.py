@@ -1,4 +1,5 @@
-"""Process lifecycle events: fork, exec and exit.
+"""Process lifecycle events: fork, exec and exit (one job, over 400 lines: the
+netlink decoder and the /proc polling fallback behind one protocol).
 
 They come from the kernel's netlink process connector when we may subscribe
 to it, else from diffing ``/proc``; both sources have one interface

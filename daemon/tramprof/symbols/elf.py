@@ -1,4 +1,5 @@
-"""ELF function symbols, build-ids and load segments, plus a bounded cache.
+"""ELF function symbols, build-ids and load segments, plus a bounded cache
+(one job, over 400 lines: reading symbol tables from untrusted files).
 
 pyelftools reads the headers, sections, segments and notes. The symbol
 tables themselves are decoded with ``struct.iter_unpack`` on the raw section

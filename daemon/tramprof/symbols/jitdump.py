@@ -1,4 +1,5 @@
-"""Live reader for ``/tmp/jit-PID.dump`` (perf's jitdump format).
+"""Live reader for ``/tmp/jit-PID.dump`` (perf's jitdump format); one job, over
+400 lines because the format has six record types in two byte orders.
 
 Runtimes that know more than a name per code blob (V8 ``--perf-prof``,
 CPython 3.13 ``-X perf_jit``, the JVM perf agent) write jitdump: a 40-byte
