@@ -27,6 +27,10 @@ EVENTS = ("auto", "cycles", "cpu-clock")
 # most 33 in a row; 32 runs leave one for the end-of-window check.
 MAX_SCAN_BYTES = 32 * 8192
 ENV_PREFIX = "TRAMPROF_"
+#: Trampoline arena pages one process may install in the BPF maps (65,536 for
+#: all processes): 4,096 pages are 16 MiB of stubs, ~1M Python functions at
+#: CPython's 16-byte stride.
+DEFAULT_STUB_PAGES = 4096
 
 
 class ConfigError(ValueError):
@@ -44,6 +48,7 @@ class Config:
     max_user_stacks: int = 16384
     max_kernel_stacks: int = 8192
     scan_window_bytes: int = 65536
+    max_stub_pages_per_process: int = DEFAULT_STUB_PAGES
     proc_root: str = "/proc"
     log_level: str = "info"
     group_by: tuple[str, ...] = ("comm",)
@@ -131,6 +136,7 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "max_kernel_stacks": _range(64, 1 << 22),
     "scan_window_bytes": lambda v: "" if 512 <= v <= MAX_SCAN_BYTES and v % 512 == 0
     else f"must be a multiple of 512 from 512 to {MAX_SCAN_BYTES} (bytes)",
+    "max_stub_pages_per_process": _range(16, 65536),
     "log_level": lambda v: "" if v in ("debug", "info", "warning", "error")
     else "must be debug, info, warning or error",
     "group_by": lambda v: "" if v and set(v) <= set(GROUP_LABELS) and len(set(v)) == len(v)

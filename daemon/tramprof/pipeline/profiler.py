@@ -45,6 +45,7 @@ def sampler_config(config: Config) -> SamplerConfig:
                          max_keys=config.max_keys, max_user_stacks=config.max_user_stacks,
                          max_kernel_stacks=config.max_kernel_stacks,
                          scan_bytes=config.scan_window_bytes,
+                         max_stub_pages_per_process=config.max_stub_pages_per_process,
                          max_targets=max(4096, len(config.pids)))
 
 

@@ -21,14 +21,12 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from tramprof.config import DEFAULT_STUB_PAGES
 from tramprof.sampler import layout
 
 log = logging.getLogger(__name__)
 
 PAGE = 0x1000
-#: Arena pages one process may install (the map holds 65,536 for all): 4,096
-#: pages are 16 MiB of stubs, ~1M Python functions at CPython's 16-byte stride.
-MAX_PAGES_PER_PROCESS = 4096
 
 
 class MapFull(Exception):
@@ -46,7 +44,7 @@ def arena_pages(arenas: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int]]:
 class ProcessMaps:
     """Installs and removes per-process walker state in a loaded program's maps."""
 
-    def __init__(self, bpf: Any, max_pages_per_process: int = MAX_PAGES_PER_PROCESS) -> None:
+    def __init__(self, bpf: Any, max_pages_per_process: int = DEFAULT_STUB_PAGES) -> None:
         self._bpf = bpf
         self.max_pages_per_process = max_pages_per_process
         # tgid -> walker map name -> pages it holds

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tramprof.config import check_setting
+from tramprof.config import DEFAULT_STUB_PAGES, check_setting
 from tramprof.model import RawSample
 from tramprof.sampler import layout as bpf_layout
 from tramprof.sampler.btf import VMLINUX_BTF, BtfError, KernelBtf
@@ -68,12 +68,14 @@ class SamplerConfig:
     max_kernel_stacks: int = 8192
     max_targets: int = 4096
     scan_bytes: int = 65536  # stack window of "scan" mode, from sp upward
+    max_stub_pages_per_process: int = DEFAULT_STUB_PAGES
 
     def __post_init__(self) -> None:
         # The settings' own rules (a ConfigError is a ValueError).
         check_setting("frequency", self.frequency)
         check_setting("event", self.event)
         check_setting("scan_window_bytes", self.scan_bytes)
+        check_setting("max_stub_pages_per_process", self.max_stub_pages_per_process)
 
 
 def bpf_source_dir() -> str:
@@ -206,7 +208,7 @@ class Sampler:
             self.set_targets(pids)
         self._write_config()
         self._load_scan_program(BPF)
-        self._maps = ProcessMaps(self._bpf)
+        self._maps = ProcessMaps(self._bpf, self.config.max_stub_pages_per_process)
         self._open_new_process_events()
         self._attach()
         self._enable_run_time_stats()
