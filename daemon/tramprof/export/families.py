@@ -154,18 +154,22 @@ SCAN_WINDOWS_EXHAUSTED = Family(
 
 SCAN_REFUSALS = Family(
     "tramprof_scan_layouts_refused", "counter", ("reason",),
-    "Stub pools whose layout scan mode would not trust, by reason (no call instruction, "
-    "stride not found or not matching the perf map, copies that differ, ...); those "
-    "processes stay in fp mode. The scan rows of tramprof_unwind_refusals_total.")
+    "Stub pools whose layout scan mode would not trust, by reason (no_call, "
+    "ambiguous_call, stub_size, no_stride, stride, stride_mismatch, arena_size, "
+    "arena_alignment, stub_alignment, arena_bytes, layout); those processes stay in fp "
+    "mode. The scan rows of tramprof_unwind_refusals_total.")
 SCAN_OVERFLOWS = Family(
     "tramprof_scan_overflows", "counter", (),
     "Stack scans that found more stub return addresses than a sample keeps: Python "
     "frames were lost and the stack is marked truncated.")
 UNWIND_REFUSALS = Family(
     "tramprof_unwind_refusals", "counter", ("mode", "reason"),
-    "Processes an unwinding mode refused or could not follow, by mode and reason (an "
-    "unreadable or unsupported runtime descriptor, a stub layout not trusted, more stub "
-    "pages than a process may install, ...); they are unwound by frame pointers.")
+    "Processes an unwinding mode refused or could not follow, by mode and reason: chain "
+    "descriptor_unreadable, unsupported_runtime or map_full (more stub pages than "
+    "max_stub_pages_per_process); scan the stub layout reasons of "
+    "tramprof_scan_layouts_refused_total, map_full, arena_overlap, or perf_map_<refusal> "
+    "(a FIFO, symlink or foreign file at its perf map path). They are unwound by frame "
+    "pointers.")
 PROCESS_ERRORS = Family(
     "tramprof_process_errors", "counter", ("stage",),
     "Failures while handling one process (reading its maps, binaries, memory or JIT "

@@ -55,20 +55,6 @@ def unwind_modes(maps: MapWriter, proc_root: str = "/proc") -> UnwindModes:
     return UnwindModes([ChainMode(maps, proc_root), ScanMode(maps, proc_root)])
 
 
-class _SamplerMaps:
-    """The sampler's map writer, looked up when used: the maps exist only
-    once the program is loaded."""
-
-    def __init__(self, sampler: Callable[[], Sampler]) -> None:
-        self._sampler = sampler
-
-    def install(self, *args: object) -> None:
-        self._sampler().maps.install(*args)  # type: ignore[arg-type]
-
-    def remove(self, tgid: int, walker: bytes) -> None:
-        self._sampler().maps.remove(tgid, walker)
-
-
 class ProcessErrors:
     """The per-process error boundary: counts by stage, one log line per
     process and stage, and a back-off during which the process is skipped."""
@@ -122,7 +108,7 @@ class Profiler:
         self.registry = ProcessRegistry(proc_root=config.proc_root,
                                         failures=self.stats.symbolization_failures)
         self.events = open_event_source(log)
-        self.unwinders = unwind_modes(_SamplerMaps(lambda: self.sampler), config.proc_root)
+        self.unwinders = unwind_modes(self.sampler, config.proc_root)
         self.errors = ProcessErrors()
         # pid -> the maps generation its unwinding modes last looked at.
         self._considered: dict[int, int] = {}

@@ -370,6 +370,15 @@ class Sampler:
             raise SamplerError("the sampler is not started")
         return self._maps
 
+    # The unwinding modes' map writer (unwind.mode.MapWriter): they exist
+    # before the program is loaded, the maps only after.
+    def install(self, tgid: int, walker: bytes, record: ctypes.Structure,
+                arenas: Iterable[tuple[int, int]]) -> None:
+        self.maps.install(tgid, walker, record, arenas)
+
+    def remove(self, tgid: int, walker: bytes) -> None:
+        self.maps.remove(tgid, walker)
+
     def close(self) -> None:
         """Detach every perf event and unload the program and its maps."""
         if self._stats_fd is not None:
