@@ -113,6 +113,7 @@ def test_memory_budget_evicts_the_least_recently_sampled_index(tmp_path):
                          limits=JitLimits(evicted_backoff=600))
         clock.now += 1
         assert jit.resolve(ANON, 0x7008) == "py::f0:/srv/app/a_rather_long_module_name.py"
+        jit.note_use()  # what each drain does: lookups since the last one date the index
         readers.append(jit)
     sizes = [jit.memory_bytes() for jit in readers]
     assert all(size > 200 * 80 for size in sizes)

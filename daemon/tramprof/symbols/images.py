@@ -93,7 +93,7 @@ def evict_to_budget(readers: list[JitSymbols], budget: int) -> tuple[int, int]:
     estimated total is within ``budget`` bytes: (total after, evictions)."""
     total = sum(jit.memory_bytes() for jit in readers)
     evicted = 0
-    for jit in sorted(readers, key=lambda j: j.last_used):
+    for jit in sorted(readers, key=lambda j: j.note_use()):
         if total <= budget:
             break
         size = jit.memory_bytes()

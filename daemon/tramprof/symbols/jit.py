@@ -83,7 +83,10 @@ class JitSymbols:
         self.last_results: tuple[RefreshResult, RefreshResult] | None = None
         self.lookups = 0
         self.resolved = 0
+        # When lookups were last seen (by note_use, once per drain: never on
+        # the per-sample path).
         self.last_used = self._clock()
+        self._lookups_seen = 0
         self._evicted_until: float | None = None
         self.evictions = 0
         # Counters of readers dropped by evictions, so totals stay monotonic.
@@ -104,6 +107,13 @@ class JitSymbols:
     def sources(self) -> tuple[tuple[str, PerfMap | JitDump], ...]:
         """(kind, reader) of both files, kinds as in the metrics."""
         return (("perf_map", self.perf_map), ("jitdump", self.jitdump))
+
+    def note_use(self) -> float:
+        """Move ``last_used`` to now if there were lookups since the last call."""
+        if self.lookups != self._lookups_seen:
+            self._lookups_seen = self.lookups
+            self.last_used = self._clock()
+        return self.last_used
 
     def memory_bytes(self) -> int:
         """Estimated memory of both indexes."""
@@ -132,9 +142,8 @@ class JitSymbols:
     def resolve(self, mapping: Mapping, addr: int) -> str | None:
         """Name of the JIT code at ``addr`` (inside anonymous executable ``mapping``)."""
         self.lookups += 1
-        now = self.last_used = self._clock()
         if self._evicted_until is not None:
-            if now < self._evicted_until:
+            if self._clock() < self._evicted_until:
                 return None
             self._evicted_until = None
         if self._last_refresh is None:
