@@ -493,8 +493,7 @@ def test_node_perf_prof_jitdump(tmp_path: Path) -> None:
 def test_memory_estimate_matches_what_the_index_really_holds(tmp_path: Path) -> None:
     """The symbol memory budget counts memory_bytes(); it must be close to what
     tracemalloc sees the reader hold (within 25%)."""
-    import gc
-    import tracemalloc
+    from .traced import traced_bytes
 
     w = Writer()
     n = 20_000
@@ -504,16 +503,13 @@ def test_memory_estimate_matches_what_the_index_really_holds(tmp_path: Path) -> 
         for i in range(n):
             f.write(w.load(0x100000 + i * 64, 48, f"py::function_{i}:/srv/app/mod_{i % 50}.py",
                            i))
-    gc.collect()
-    tracemalloc.start()
-    try:
+    def build() -> JitDump:
         reader = JitDump(str(path), UID)
         reader.refresh()
         assert reader.entry(0x100000 + 5 * 64) is not None  # the index is built
-        gc.collect()
-        held, _peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+        return reader
+
+    reader, held = traced_bytes(build)
     assert len(reader) == n
     estimate = reader.memory_bytes()
     assert 0.75 * held <= estimate <= 1.25 * held, (estimate, held)

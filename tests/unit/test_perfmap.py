@@ -529,23 +529,19 @@ def test_node_perf_basic_prof(node_process: subprocess.Popen[str], tmp_path: Pat
 def test_memory_estimate_matches_what_the_index_really_holds(tmp_path: Path) -> None:
     """The symbol memory budget counts memory_bytes(); it must be close to what
     tracemalloc sees the reader hold (within 25%)."""
-    import gc
-    import tracemalloc
+    from .traced import traced_bytes
 
     path = tmp_path / "perf-1.map"
     n = 100_000
     with open(path, "w") as f:
         for i in range(n):
             f.write(f"{0x7f0000000000 + i * 64:x} 30 py::function_{i}:/srv/app/mod_{i % 50}.py\n")
-    gc.collect()
-    tracemalloc.start()
-    try:
+    def build() -> PerfMap:
         reader = PerfMap(str(path), None)
         reader.refresh()
         assert reader.lookup(0x7f0000000000 + 5 * 64) is not None  # the index is built
-        gc.collect()
-        held, _peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+        return reader
+
+    reader, held = traced_bytes(build)
     estimate = reader.memory_bytes()
     assert 0.75 * held <= estimate <= 1.25 * held, (estimate, held)
