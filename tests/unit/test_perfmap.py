@@ -545,3 +545,21 @@ def test_memory_estimate_matches_what_the_index_really_holds(tmp_path: Path) -> 
     reader, held = traced_bytes(build)
     estimate = reader.memory_bytes()
     assert 0.75 * held <= estimate <= 1.25 * held, (estimate, held)
+
+
+def test_a_streaming_reader_hands_each_entry_over_once_and_keeps_no_index(tmp_path: Path
+                                                                          ) -> None:
+    path = tmp_path / "perf-1.map"
+    path.write_text("1000 10 py::a:x.py\n2000 10 b\n3000 1")  # last line unfinished
+    seen: list[tuple[int, int, str]] = []
+    reader = PerfMap(str(path), None, on_entries=lambda parsed: seen.extend(
+        zip(parsed.starts, parsed.ends, parsed.names, strict=True)))
+    reader.refresh()
+    assert seen == [(0x1000, 0x1010, "py::a:x.py"), (0x2000, 0x2010, "b")]
+    with open(path, "a") as f:
+        f.write("0 py::c:y.py\n")
+    reader.refresh()
+    reader.refresh()
+    assert seen[2:] == [(0x3000, 0x3010, "py::c:y.py")]
+    assert reader.lookup(0x1000) is None and reader.memory_bytes() == 0
+    assert reader.stats.entries == 3

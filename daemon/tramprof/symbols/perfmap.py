@@ -168,6 +168,10 @@ class PerfMap(ProcessTmpFile):
     Caps: ``max_file_bytes`` (bytes of the file ever read; the rest is
     ignored and reported in ``bytes_capped``), ``max_line_bytes`` (longer
     lines are skipped), ``max_entries`` (entries kept from one file).
+
+    With ``on_entries`` the reader keeps no index: each block of new entries
+    is handed to it once, in file order (for readers that only follow what
+    is appended, such as scan mode looking for new stub arenas).
     """
 
     FILE_NAME = "perf-{}.map"
@@ -183,6 +187,7 @@ class PerfMap(ProcessTmpFile):
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         max_entries: int = DEFAULT_MAX_ENTRIES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        on_entries: Callable[[ParsedLines], None] | None = None,
     ) -> None:
         if max_line_bytes <= 0 or max_entries < 0:
             raise ValueError("max_line_bytes must be positive, max_entries >= 0")
@@ -200,6 +205,8 @@ class PerfMap(ProcessTmpFile):
         self._chunk_bytes = max(chunk_bytes, 2 * (max_line_bytes + 1))
         self._skipping = False
         self._name_bytes = 0
+        self._on_entries = on_entries
+        self._accepted = 0  # entries taken from the current file
 
     def memory_bytes(self) -> int:
         """Estimated memory held by the index (what the symbol budget counts)."""
@@ -220,6 +227,7 @@ class PerfMap(ProcessTmpFile):
             if session.reset:
                 self._index.clear()
                 self._name_bytes = 0
+                self._accepted = 0
                 self._skipping = False
             try:
                 for chunk in session.chunks(self._chunk_bytes, max_bytes):
@@ -230,7 +238,7 @@ class PerfMap(ProcessTmpFile):
                 refusal = self._tail.refuse(Refusal(IO_ERROR, f"read: {err}"))
                 return RefreshResult(refused=refusal.reason, new_entries=added)
             remaining = session.remaining
-        self.stats.entries = self._index.added
+        self.stats.entries = self._accepted
         return RefreshResult(
             reloaded=session.reloaded,
             bytes_read=session.read_bytes,
@@ -265,7 +273,7 @@ class PerfMap(ProcessTmpFile):
         stats.malformed += parsed.malformed
         stats.long_lines += parsed.long_lines
         n = len(parsed.names)
-        room = self._max_entries - self._index.added
+        room = self._max_entries - self._accepted
         if n > room:
             keep = max(room, 0)
             stats.dropped_entries += n - keep
@@ -274,9 +282,13 @@ class PerfMap(ProcessTmpFile):
             parsed.ends = parsed.ends[:n]
             del parsed.names[n:]
         if n:
-            self._index.extend(parsed.starts, parsed.ends, parsed.names)
-            self._name_bytes += sum(map(len, parsed.names))
+            self._accepted += n
             stats.lines_parsed += n
+            if self._on_entries is not None:
+                self._on_entries(parsed)
+            else:
+                self._index.extend(parsed.starts, parsed.ends, parsed.names)
+                self._name_bytes += sum(map(len, parsed.names))
         return n
 
     def lookup_range(self, addr: int) -> tuple[int, int, str] | None:

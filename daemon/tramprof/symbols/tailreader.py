@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, ClassVar, Final, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Self
 
 from tramprof.symbols.safeopen import (
     IO_ERROR,
@@ -107,16 +107,16 @@ class ProcessTmpFile:
 
     if TYPE_CHECKING:  # the constructor every reader provides
         def __init__(self, path: str, expected_uid: int | None, *, root: str | None = None,
-                     not_before_ns: int | None = None, **caps: int) -> None: ...
+                     not_before_ns: int | None = None, **options: Any) -> None: ...
 
     @classmethod
     def for_process(cls, pid: int, nstgid_innermost: int, expected_uid: int | None, *,
                     proc_root: str = "/proc", not_before_ns: int | None = None,
-                    **caps: int) -> Self:
+                    **options: Any) -> Self:
         """Reader of the file of process ``pid`` (innermost NStgid ``nstgid_innermost``)."""
         path, root = process_tmp_file(
             pid, cls.FILE_NAME.format(checked_pid(nstgid_innermost)), proc_root)
-        return cls(path, expected_uid, root=root, not_before_ns=not_before_ns, **caps)
+        return cls(path, expected_uid, root=root, not_before_ns=not_before_ns, **options)
 
     @property
     def path(self) -> str:

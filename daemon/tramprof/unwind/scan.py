@@ -22,7 +22,7 @@ from tramprof.procfs.maps import Mapping, read_maps
 from tramprof.procfs.memory import MemoryReadError, read_memory
 from tramprof.sampler import layout
 from tramprof.sampler.maps import MapFull
-from tramprof.symbols.perfmap import PerfMap
+from tramprof.symbols.perfmap import ParsedLines, PerfMap
 from tramprof.unwind.arenas import Arenas
 from tramprof.unwind.mode import FP, MapWriter, ModeReport
 from tramprof.unwind.stub_layout import (
@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 WALKER = b"scan_procs"
 # Bytes of the perf map read per refresh; the rest comes with later refreshes.
 MAX_PERF_MAP_READ = 4 << 20
-# The scan only needs where the stubs are, not their names: the symbolizer
-# keeps its own index. Caps keep this second reader small.
+# The scan follows what is appended (new stubs, maybe in new arenas) and keeps
+# no index of names: the symbolizer has that.
 _PERF_MAP_CAPS = {"max_file_bytes": 64 << 20, "max_entries": 1 << 20}
 
 
@@ -78,9 +78,16 @@ class ScanProcess:
 
 @dataclass
 class _Candidate:
-    perf_map: PerfMap
+    # py:: entries (address, size) appended since they were last placed in arenas
+    stubs: list[tuple[int, int]] = field(default_factory=list)
     refused: str | None = None  # why the perf map was last refused
-    stubs: list[tuple[int, int]] = field(default_factory=list)  # (address, size) of py:: lines
+    perf_map: PerfMap | None = None
+
+    def collect(self, parsed: ParsedLines) -> None:
+        """The perf map reader's new entries: keep the stubs' places."""
+        self.stubs.extend((start, end - start) for start, end, name
+                          in zip(parsed.starts, parsed.ends, parsed.names, strict=True)
+                          if name.startswith("py::"))
 
 
 class ScanMode:
@@ -117,12 +124,13 @@ class ScanMode:
         try:
             inner = read_nstgid(pid, self._proc_root)[-1]
             euid = read_euid(pid, self._proc_root)
-            perf_map = PerfMap.for_process(pid, inner, euid, proc_root=self._proc_root,
-                                           **_PERF_MAP_CAPS)
+            cand = _Candidate()
+            cand.perf_map = PerfMap.for_process(pid, inner, euid, proc_root=self._proc_root,
+                                                on_entries=cand.collect, **_PERF_MAP_CAPS)
         except (OSError, IndexError, ValueError, SymbolizationError) as exc:
             log.debug("pid %d: cannot look for its perf map: %s", pid, exc)
             return
-        self._candidates[pid] = _Candidate(perf_map)
+        self._candidates[pid] = cand
         self._update(pid)
 
     def refresh(self, live: set[int]) -> None:
@@ -148,17 +156,18 @@ class ScanMode:
 
     def _new_stubs(self, pid: int, cand: _Candidate) -> bool:
         """Adds the perf map's new py:: entries; True when there were any."""
+        assert cand.perf_map is not None
+        before = len(cand.stubs)
         result = cand.perf_map.refresh(MAX_PERF_MAP_READ)
         if result.refused is not None and result.refused not in ("missing", cand.refused):
             # Counted once per process and reason: a planted FIFO, symlink, ...
             self._errors[f"perf_map_{result.refused}"] += 1
             log.info("pid %d: perf map refused (%s)", pid, result.refused)
         cand.refused = result.refused
-        if result.refused is not None or (not result.new_entries and not result.reloaded):
-            return False
-        cand.stubs = [(start, end - start) for start, end, name in cand.perf_map.symbols()
-                      if name.startswith("py::")]
-        return bool(cand.stubs)
+        if result.reloaded:  # a new file: what the old one said is void
+            del cand.stubs[:before]
+            before = 0
+        return len(cand.stubs) > before
 
     def _update(self, pid: int) -> None:
         cand = self._candidates[pid]
