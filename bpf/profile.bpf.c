@@ -45,6 +45,15 @@
 #ifndef TP_MAX_TARGETS
 #define TP_MAX_TARGETS 4096
 #endif
+/* Slots for unwind-table chunks (TP_UNWIND_CHUNK_ROWS rows each); an empty
+ * slot costs one pointer, so there are more slots than the memory budget
+ * fills, and freed ranges need no compaction. */
+#ifndef TP_MAX_UNWIND_CHUNKS
+#define TP_MAX_UNWIND_CHUNKS 8192
+#endif
+#ifndef TP_MAX_UNWIND_PROCS
+#define TP_MAX_UNWIND_PROCS 4096
+#endif
 /* Stack window scanned for trampoline return addresses ("scan" mode), bytes
  * from the sampled sp upward; a multiple of the chunk size. */
 #ifndef TP_SCAN_BYTES
@@ -93,6 +102,25 @@ struct tp_pending {
     __u32 pad;
 };
 
+/* The walk's registers between frames and program runs (per CPU; the table walk in table_walk.h). */
+struct tp_table_regs {
+    __u64 ip;
+    __u64 sp;
+    __u64 bp;
+    __u32 exact;    /* ip is an exact pc (leaf, or resumed after a signal), not a return address */
+    __u32 tabled;   /* at least one row was used */
+};
+
+/* A sample handed from on_sample to the table walk's runs. */
+struct tp_table_pending {
+    struct tp_count_key key;
+    __u64 hash;
+    __u64 check;
+    __u64 sp;       /* the sampled sp (the stack scan starts there) */
+    __u32 n;        /* frames recorded */
+    __u32 stop;     /* why the walk stopped (TP_STEP_*), 0: it did not */
+};
+
 /* Per-CPU copy of one page of the sampled thread's stack: consecutive chain
  * records lie a few hundred bytes apart, so one page read serves several. */
 struct tp_stack_page {
@@ -118,6 +146,14 @@ BPF_PERCPU_ARRAY(scan_scratch, struct tp_scan_scratch, 1);
 BPF_PERCPU_ARRAY(stack_copy, struct tp_stack_page, 1);
 BPF_PERCPU_ARRAY(pending, struct tp_pending, 1);
 BPF_PROG_ARRAY(scan_programs, 1);
+BPF_PERCPU_ARRAY(table_pending, struct tp_table_pending, 1);
+BPF_PERCPU_ARRAY(table_regs, struct tp_table_regs, 1);
+BPF_PROG_ARRAY(table_programs, 1);
+/* The template of every row chunk; chunks are created by the daemon. */
+BPF_ARRAY(unwind_chunk, struct tp_unwind_row, TP_UNWIND_CHUNK_ROWS);
+BPF_ARRAY_OF_MAPS(unwind_chunks, "unwind_chunk", TP_MAX_UNWIND_CHUNKS);
+BPF_F_TABLE("hash", __u32, struct tp_unwind_proc, unwind_procs, TP_MAX_UNWIND_PROCS,
+            BPF_F_NO_PREALLOC);
 BPF_HASH(stub_pages, struct tp_stub_page, __u64, TP_MAX_STUB_PAGES);
 BPF_TABLE("lru_hash", struct tp_process_seen, __u8, seen_processes, TP_MAX_SEEN);
 BPF_PERF_OUTPUT(new_processes);
@@ -210,10 +246,22 @@ static __always_inline __u64 *stub_arena_of(struct tp_stub_page *page)
     return stub_pages.lookup(page);
 }
 
+/* Row `index` of the global row space, or 0 when its chunk is not loaded. */
+static __always_inline struct tp_unwind_row *unwind_row(__u32 index)
+{
+    __u32 slot = index / TP_UNWIND_CHUNK_ROWS;
+    __u32 at = index % TP_UNWIND_CHUNK_ROWS;
+    void *chunk = unwind_chunks.lookup(&slot);
+    if (!chunk)
+        return 0;
+    return bpf_map_lookup_elem(chunk, &at);
+}
+
 /* The user-stack walkers: one header each. */
 #include "fp_walk.h"    /* frame pointers: every sample */
 #include "chain_walk.h" /* our runtime's trampoline chain */
 #include "stack_scan.h" /* stub return addresses on the stack: scan_step's runs */
+#include "table_walk.h" /* unwind tables for code without frame pointers: table_step's runs */
 
 /* The end of every sample with a user stack: store the stack (deduplicated by
  * hash), announce a new process, count. */
@@ -280,6 +328,69 @@ static __always_inline int count_sample(struct tp_count_key *key)
     }
     bump(TP_CNT_RECORDED);
     return 0;
+}
+
+/* After the native walk (FP or tables): the trampoline frames (chain walk
+ * here, or the scan's runs by tail call), then store and count. */
+static __always_inline int after_native(struct bpf_perf_event_data *ctx, struct tp_count_key *key,
+                                        struct tp_user_stack *st, struct tp_stack_page *copy,
+                                        __u64 *copied, __u64 sp, __u64 hash, __u64 check)
+{
+    __u32 zero = 0;
+    __u32 tgid = key->sample.tgid;
+    void *task = (void *)bpf_get_current_task();
+    int chained = walk_chain(st, copy, copied, tgid, task, &hash, &check);
+    if (!chained && scan_procs.lookup(&tgid)) {
+        struct tp_pending *p = pending.lookup(&zero);
+        struct tp_scan_scratch *sc = scan_scratch.lookup(&zero);
+        if (p && sc) {
+            p->key = *key;
+            p->hash = hash;
+            p->check = check;
+            p->sp = sp;
+            p->run = 0;
+            sc->n = 0;
+            sc->pad = 0;
+            sc->last_page = 0;
+            sc->stale = 0;
+            scan_programs.call(ctx, 0);
+        }
+        /* No scan program (or no slot): the sample keeps its native frames. */
+    }
+    if (!finish_sample(ctx, key, st, hash, check, TP_CNT_CHAIN_SAMPLES))
+        return 0;
+    return count_sample(key);
+}
+
+/* One run of the table walk, tail-called by on_sample and by itself. */
+int table_step_run(struct bpf_perf_event_data *ctx)
+{
+    __u32 zero = 0;
+    struct tp_table_pending *p = table_pending.lookup(&zero);
+    struct tp_table_regs *r = table_regs.lookup(&zero);
+    struct tp_user_stack *st = scratch.lookup(&zero);
+    struct tp_stack_page *copy = stack_copy.lookup(&zero);
+    if (!p || !r || !st || !copy)
+        return 0;
+    __u32 tgid = p->key.sample.tgid;
+    struct tp_unwind_proc *proc = unwind_procs.lookup(&tgid);
+    int over = 1;
+    if (proc)
+        over = table_run(st, copy, proc, r, &p->n, &p->hash, &p->check, &p->stop);
+    if (!over) {
+        table_programs.call(ctx, 0);
+        /* Tail call refused (the limit is reached): keep what was found. */
+        st->flags |= TP_USTACK_TRUNCATED;
+    }
+    if (r->tabled)
+        bump(TP_CNT_TABLE_SAMPLES);
+    if (p->stop == TP_STEP_STOP_NONE)
+        bump(TP_CNT_TABLE_STOP_NONE);
+    else if (p->stop == TP_STEP_STOP_UNSUPPORTED)
+        bump(TP_CNT_TABLE_STOP_UNSUPPORTED);
+    struct tp_count_key key = p->key;
+    __u64 copied = 0;
+    return after_native(ctx, &key, st, copy, &copied, p->sp, p->hash, p->check);
 }
 
 /* One run of the stack scan, tail-called by on_sample and by itself. */
@@ -374,29 +485,33 @@ int on_sample(struct bpf_perf_event_data *ctx)
         struct tp_stack_page *copy = stack_copy.lookup(&zero);
         if (!st || !copy)
             return 0;
+        if (unwind_procs.lookup(&tgid)) {
+            struct tp_table_pending *p = table_pending.lookup(&zero);
+            struct tp_table_regs *r = table_regs.lookup(&zero);
+            if (p && r) {
+                st->frames[0].ip = ip;
+                st->frames[0].sp = sp;
+                st->flags = 0;
+                st->nr = 1;
+                st->nr_tramp = 0;
+                p->key = key;
+                p->hash = mix_a(0, ip);
+                p->check = mix_b(0, ip);
+                p->sp = sp;
+                p->n = 1;
+                p->stop = 0;
+                r->ip = ip;
+                r->sp = sp;
+                r->bp = fp;
+                r->exact = 1;
+                r->tabled = 0;
+                table_programs.call(ctx, 0);
+            }
+            /* No table program (or no slot): the frame-pointer walk below. */
+        }
         __u64 hash = 0, copied = 0;
         walk_user(st, copy, &copied, ip, sp, fp, &hash);
-        __u64 check = st->check;
-        int chained = walk_chain(st, copy, &copied, tgid, task, &hash, &check);
-        if (!chained && scan_procs.lookup(&tgid)) {
-            struct tp_pending *p = pending.lookup(&zero);
-            struct tp_scan_scratch *sc = scan_scratch.lookup(&zero);
-            if (p && sc) {
-                p->key = key;
-                p->hash = hash;
-                p->check = check;
-                p->sp = sp;
-                p->run = 0;
-                sc->n = 0;
-                sc->pad = 0;
-                sc->last_page = 0;
-                sc->stale = 0;
-                scan_programs.call(ctx, 0);
-            }
-            /* No scan program (or no slot): the sample keeps its fp frames. */
-        }
-        if (!finish_sample(ctx, &key, st, hash, check, TP_CNT_CHAIN_SAMPLES))
-            return 0;
+        return after_native(ctx, &key, st, copy, &copied, sp, hash, st->check);
     }
     return count_sample(&key);
 }

@@ -27,6 +27,8 @@
 #define TP_CHAIN_INVALID 0x10     /* chain walk: a record failed validation */
 #define TP_SCAN_TRUNCATED 0x20    /* stack scan window ended on readable stack */
 #define TP_SCAN_OVERFLOW 0x40     /* scan found more stub return addresses than it keeps */
+#define TP_TABLE_STOP 0x80        /* table walk: code without an unwind rule it can follow */
+#define TP_USTACK_ROOT 0x100      /* table walk: the outermost frame was reached */
 
 /* Indexes of the per-CPU counters array (cumulative, never reset). */
 enum tp_counter {
@@ -49,6 +51,9 @@ enum tp_counter {
     TP_CNT_SCAN_TRUNCATED,       /* stack scan window ended before the stack did */
     TP_CNT_SCAN_STALE,           /* stub return addresses found by scan without a live caller */
     TP_CNT_SCAN_OVERFLOW,        /* scan found more stub return addresses than it keeps */
+    TP_CNT_TABLE_SAMPLES,        /* samples unwound with at least one unwind-table row */
+    TP_CNT_TABLE_STOP_NONE,      /* table walk stopped: no unwind information for the pc */
+    TP_CNT_TABLE_STOP_UNSUPPORTED, /* table walk stopped: a rule the walker cannot follow */
     TP_CNT_MAX
 };
 
@@ -108,6 +113,50 @@ struct tp_stub_page {
     __u32 tgid;
     __u32 pad;
     __u64 page;
+};
+
+/* Unwind tables ("eh_frame" mode): rows compiled from an object's CFI
+ * (daemon/tramprof/unwind/cfi.py). A row covers the ELF addresses from its pc
+ * to the next row's pc. cfa: the rule kind in the low TP_CFA_KIND_BITS bits,
+ * above them the CFA offset / 8 (TP_CFA_PLT: the threshold of rip & 15).
+ * rbp: where the caller's rbp was saved, / 8 from the CFA (0: not saved).
+ * The return address is always at CFA - 8 (other rules are UNSUPPORTED). */
+#define TP_CFA_KIND_BITS 3
+#define TP_CFA_KIND_MASK 7
+#define TP_CFA_RSP 0          /* cfa = rsp + offset */
+#define TP_CFA_RBP 1          /* cfa = rbp + offset */
+#define TP_CFA_PLT 2          /* cfa = rsp + 8 + ((rip & 15) >= threshold ? 8 : 0) */
+#define TP_CFA_SIGNAL 3       /* signal trampoline: registers in the ucontext at rsp */
+#define TP_CFA_END 4          /* the return address is undefined: outermost frame */
+#define TP_CFA_NONE 5         /* no CFI covers this address */
+#define TP_CFA_UNSUPPORTED 6  /* CFI the walker cannot follow */
+
+/* Rows live in chunks (inner array maps of TP_UNWIND_CHUNK_ROWS rows); row r
+ * of the global row space is row r % CHUNK of chunk slot r / CHUNK. */
+#define TP_UNWIND_CHUNK_ROWS 4096
+#define TP_MAX_UNWIND_MAPPINGS 64
+
+struct tp_unwind_row {
+    __u32 pc;
+    __u16 cfa;
+    __s16 rbp;
+};
+
+/* An executable mapping of an object with a loaded table: pc - bias is the
+ * ELF address looked up in rows [first_row, first_row + nr_rows). */
+struct tp_unwind_mapping {
+    __u64 start;
+    __u64 end;
+    __u64 bias;
+    __u32 first_row;
+    __u32 nr_rows;
+};
+
+/* A process unwound with tables: its mappings sorted by start. */
+struct tp_unwind_proc {
+    __u32 nr;
+    __u32 pad;
+    struct tp_unwind_mapping maps[TP_MAX_UNWIND_MAPPINGS];
 };
 
 struct tp_sample_key {

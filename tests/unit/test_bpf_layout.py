@@ -21,6 +21,23 @@ STRUCTS = {
     "tp_chain_proc": bpf_layout.ChainProc,
     "tp_stub_page": bpf_layout.StubPage,
     "tp_scan_proc": bpf_layout.ScanProc,
+    "tp_unwind_row": bpf_layout.UnwindRow,
+    "tp_unwind_mapping": bpf_layout.UnwindMapping,
+    "tp_unwind_proc": bpf_layout.UnwindProc,
+}
+# Header constant -> its mirror in sampler.layout.
+CONSTANTS = {
+    "TP_MAX_FRAMES": "MAX_FRAMES", "TP_COMM_LEN": "COMM_LEN", "TP_CNT_MAX": "COUNTER_COUNT",
+    "TP_MAX_TRAMP": "MAX_TRAMP", "TP_USTACK_TRUNCATED": "USTACK_TRUNCATED",
+    "TP_USTACK_FAULT": "USTACK_FAULT", "TP_USTACK_NO_USER": "USTACK_NO_USER",
+    "TP_CHAIN_TRUNCATED": "CHAIN_TRUNCATED", "TP_CHAIN_INVALID": "CHAIN_INVALID",
+    "TP_SCAN_TRUNCATED": "SCAN_TRUNCATED", "TP_SCAN_OVERFLOW": "SCAN_OVERFLOW",
+    "TP_TABLE_STOP": "TABLE_STOP", "TP_USTACK_ROOT": "USTACK_ROOT",
+    "TP_CFA_KIND_BITS": "CFA_KIND_BITS", "TP_CFA_KIND_MASK": "CFA_KIND_MASK",
+    "TP_CFA_RSP": "CFA_RSP", "TP_CFA_RBP": "CFA_RBP", "TP_CFA_PLT": "CFA_PLT",
+    "TP_CFA_SIGNAL": "CFA_SIGNAL", "TP_CFA_END": "CFA_END", "TP_CFA_NONE": "CFA_NONE",
+    "TP_CFA_UNSUPPORTED": "CFA_UNSUPPORTED", "TP_UNWIND_CHUNK_ROWS": "UNWIND_CHUNK_ROWS",
+    "TP_MAX_UNWIND_MAPPINGS": "MAX_UNWIND_MAPPINGS",
 }
 KEYS_IN_PROGRAM = {"tp_count_key": bpf_layout.CountKey, "tp_ustack_key": bpf_layout.UserStackKey}
 
@@ -34,16 +51,9 @@ def _c_layout(tmp_path, header_code: str, structs: dict[str, type]) -> dict[str,
     program = tmp_path / "layout.c"
     program.write_text(
         "#include <stdio.h>\n#include <stddef.h>\n#include <linux/types.h>\n"
-        f"{header_code}\nint main(void) {{\n" + "\n".join(lines) +
-        '\nprintf("TP_MAX_FRAMES %d\\nTP_COMM_LEN %d\\nTP_CNT_MAX %d\\n",'
-        " TP_MAX_FRAMES, TP_COMM_LEN, TP_CNT_MAX);\n"
-        'printf("TP_MAX_TRAMP %d\\nTP_CHAIN_TRUNCATED %d\\nTP_CHAIN_INVALID %d\\n",'
-        " TP_MAX_TRAMP, TP_CHAIN_TRUNCATED, TP_CHAIN_INVALID);\n"
-        'printf("TP_SCAN_TRUNCATED %d\\nTP_SCAN_OVERFLOW %d\\n",'
-        " TP_SCAN_TRUNCATED, TP_SCAN_OVERFLOW);"
-        "\n"
-        '\nprintf("TP_USTACK_TRUNCATED %d\\nTP_USTACK_FAULT %d\\nTP_USTACK_NO_USER %d\\n",'
-        " TP_USTACK_TRUNCATED, TP_USTACK_FAULT, TP_USTACK_NO_USER);\nreturn 0;\n}\n")
+        f"{header_code}\nint main(void) {{\n" + "\n".join(lines) + "\n"
+        + "".join(f'printf("{c} %d\\n", {c});\n' for c in CONSTANTS) +
+        "return 0;\n}\n")
     exe = tmp_path / "layout"
     subprocess.run(["gcc", f"-I{bpf_source_dir()}", "-o", str(exe), str(program)], check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
@@ -62,18 +72,8 @@ def test_shared_structs_match(tmp_path):
         assert layout[f"{cname} size"] == ctypes.sizeof(mirror), cname
         for field, *_ in mirror._fields_:
             assert layout[f"{cname}.{field}"] == getattr(mirror, field).offset, (cname, field)
-    assert layout["TP_MAX_FRAMES"] == bpf_layout.MAX_FRAMES
-    assert layout["TP_COMM_LEN"] == bpf_layout.COMM_LEN
-    assert layout["TP_CNT_MAX"] == bpf_layout.COUNTER_COUNT
-    assert layout["TP_USTACK_TRUNCATED"] == bpf_layout.USTACK_TRUNCATED
-    assert layout["TP_USTACK_FAULT"] == bpf_layout.USTACK_FAULT
-    assert layout["TP_USTACK_NO_USER"] == bpf_layout.USTACK_NO_USER
-    assert layout["TP_MAX_TRAMP"] == bpf_layout.MAX_TRAMP
-    assert layout["TP_CHAIN_TRUNCATED"] == bpf_layout.CHAIN_TRUNCATED
-    assert layout["TP_CHAIN_INVALID"] == bpf_layout.CHAIN_INVALID
-    assert layout["TP_SCAN_TRUNCATED"] == bpf_layout.SCAN_TRUNCATED
-    assert layout["TP_SCAN_OVERFLOW"] == bpf_layout.SCAN_OVERFLOW
-
+    for constant, mirror in CONSTANTS.items():
+        assert layout[constant] == getattr(bpf_layout, mirror), constant
 
 def test_counter_enum_matches_header():
     header = Path(bpf_source_dir(), "tramprof.h").read_text()

@@ -22,6 +22,20 @@ CHAIN_TRUNCATED = 0x8
 CHAIN_INVALID = 0x10
 SCAN_TRUNCATED = 0x20
 SCAN_OVERFLOW = 0x40
+TABLE_STOP = 0x80
+USTACK_ROOT = 0x100
+
+CFA_KIND_BITS = 3
+CFA_KIND_MASK = 7
+CFA_RSP = 0
+CFA_RBP = 1
+CFA_PLT = 2
+CFA_SIGNAL = 3
+CFA_END = 4
+CFA_NONE = 5
+CFA_UNSUPPORTED = 6
+UNWIND_CHUNK_ROWS = 4096
+MAX_UNWIND_MAPPINGS = 64
 
 
 class Counter(enum.IntEnum):
@@ -46,6 +60,9 @@ class Counter(enum.IntEnum):
     SCAN_TRUNCATED = 16
     SCAN_STALE = 17
     SCAN_OVERFLOW = 18
+    TABLE_SAMPLES = 19
+    TABLE_STOP_NONE = 20
+    TABLE_STOP_UNSUPPORTED = 21
 
 
 COUNTER_COUNT = len(Counter)
@@ -91,6 +108,24 @@ class StubPage(ctypes.Structure):
     """Key of ``stub_pages``: one page of a process's trampoline arena."""
 
     _fields_ = [("tgid", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("page", ctypes.c_uint64)]
+
+
+class UnwindRow(ctypes.Structure):
+    """One row of an unwind table (``tp_unwind_row``)."""
+
+    _fields_ = [("pc", ctypes.c_uint32), ("cfa", ctypes.c_uint16), ("rbp", ctypes.c_int16)]
+
+
+class UnwindMapping(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("bias", ctypes.c_uint64),
+                ("first_row", ctypes.c_uint32), ("nr_rows", ctypes.c_uint32)]
+
+
+class UnwindProc(ctypes.Structure):
+    """A process unwound with tables (value of ``unwind_procs``)."""
+
+    _fields_ = [("nr", ctypes.c_uint32), ("pad", ctypes.c_uint32),
+                ("maps", UnwindMapping * MAX_UNWIND_MAPPINGS)]
 
 
 class SampleKey(ctypes.Structure):

@@ -21,7 +21,7 @@ import re
 import struct
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,6 +32,7 @@ from tramprof.sampler.btf import VMLINUX_BTF, BtfError, KernelBtf
 from tramprof.sampler.drain import drain_buffer
 from tramprof.sampler.layout import Counter
 from tramprof.sampler.maps import ProcessMaps
+from tramprof.sampler.tables import CHUNK_BYTES, UnwindTableMaps
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class SamplerConfig:
     max_targets: int = 4096
     scan_bytes: int = 65536  # stack window of "scan" mode, from sp upward
     max_stub_pages_per_process: int = DEFAULT_STUB_PAGES
+    unwind_table_bytes: int = 64 << 20  # 0: no unwind tables
 
     def __post_init__(self) -> None:
         # The settings' own rules (a ConfigError is a ValueError).
@@ -76,6 +78,14 @@ class SamplerConfig:
         check_setting("event", self.event)
         check_setting("scan_window_bytes", self.scan_bytes)
         check_setting("max_stub_pages_per_process", self.max_stub_pages_per_process)
+        check_setting("unwind_table_bytes", self.unwind_table_bytes)
+
+    @property
+    def unwind_chunk_slots(self) -> int:
+        """Slots for row chunks: four times what the budget fills, so freed
+        runs of slots are reused without compaction (an empty slot is a
+        null pointer)."""
+        return max(64, 4 * self.unwind_table_bytes // CHUNK_BYTES)
 
 
 def bpf_source_dir() -> str:
@@ -91,6 +101,7 @@ def build_cflags(config: SamplerConfig, btf_path: str = VMLINUX_BTF) -> list[str
         f"-DTP_MAX_KSTACKS={config.max_kernel_stacks}",
         f"-DTP_MAX_TARGETS={config.max_targets}",
         f"-DTP_SCAN_BYTES={config.scan_bytes}",
+        f"-DTP_MAX_UNWIND_CHUNKS={config.unwind_chunk_slots}",
     ]
     with KernelBtf(btf_path) as btf:
         for macro, path in _BTF_FIELDS.items():
@@ -179,6 +190,7 @@ class Sampler:
         self._event: tuple[int, int] | None = None
         self.event_name = ""
         self._maps: ProcessMaps | None = None
+        self._tables: UnwindTableMaps | None = None
 
     def start(self, pids: Iterable[int] | None = None) -> None:
         """Compile, load and attach; with ``pids``, only those processes are
@@ -208,7 +220,9 @@ class Sampler:
             self.set_targets(pids)
         self._write_config()
         self._load_scan_program(BPF)
+        self._load_table_program(BPF)
         self._maps = ProcessMaps(self._bpf, self.config.max_stub_pages_per_process)
+        self._tables = UnwindTableMaps(self._bpf, self.config.unwind_chunk_slots)
         self._open_new_process_events()
         self._attach()
         self._enable_run_time_stats()
@@ -224,6 +238,17 @@ class Sampler:
                 detail = "\n".join((out[0] if out else "").strip().splitlines()[-20:])
                 raise SamplerError(f"BPF scan program failed to load: {exc}\n{detail}") from exc
         self._bpf.get_table(b"scan_programs")[ctypes.c_int(0)] = ctypes.c_int(scan.fd)
+
+    def _load_table_program(self, bpf_class: Any) -> None:
+        """The unwind-table walk runs as its own program, tail-called from
+        the sampling program (and by itself, a few frames per run)."""
+        with _captured_stderr() as out:
+            try:
+                walk = self._bpf.load_func(b"table_step_run", bpf_class.PERF_EVENT)
+            except Exception as exc:
+                detail = "\n".join((out[0] if out else "").strip().splitlines()[-20:])
+                raise SamplerError(f"BPF table walk failed to load: {exc}\n{detail}") from exc
+        self._bpf.get_table(b"table_programs")[ctypes.c_int(0)] = ctypes.c_int(walk.fd)
 
     def _open_new_process_events(self) -> None:
         def on_event(cpu: int, data: Any, size: int) -> None:
@@ -370,6 +395,27 @@ class Sampler:
             raise SamplerError("the sampler is not started")
         return self._maps
 
+    @property
+    def tables(self) -> UnwindTableMaps:
+        """The writer of unwind tables (valid after ``start``)."""
+        if self._tables is None:
+            raise SamplerError("the sampler is not started")
+        return self._tables
+
+    def run_times(self) -> dict[str, tuple[int, int]]:
+        """(nanoseconds, runs) of every loaded program, by name."""
+        out: dict[str, tuple[int, int]] = {}
+        if self._bpf is None or self._stats_fd is None:
+            return out
+        for name, func in self._bpf.funcs.items():
+            try:
+                with open(f"/proc/self/fdinfo/{func.fd}") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+                out[name.decode()] = (int(fields["run_time_ns"]), int(fields["run_cnt"]))
+            except (OSError, KeyError, ValueError):
+                continue
+        return out
+
     # The unwinding modes' map writer (unwind.mode.MapWriter): they exist
     # before the program is loaded, the maps only after.
     def install(self, tgid: int, walker: bytes, record: ctypes.Structure,
@@ -378,6 +424,20 @@ class Sampler:
 
     def remove(self, tgid: int, walker: bytes) -> None:
         self.maps.remove(tgid, walker)
+
+    # The table mode's writer (unwind.tables.TableWriter).
+    def load_rows(self, rows: bytes) -> int:
+        return self.tables.load(rows)
+
+    def unload_rows(self, first_row: int) -> None:
+        self.tables.unload(first_row)
+
+    def set_unwind_process(self, tgid: int,
+                           mappings: Sequence[bpf_layout.UnwindMapping]) -> None:
+        self.tables.set_process(tgid, mappings)
+
+    def remove_unwind_process(self, tgid: int) -> None:
+        self.tables.remove_process(tgid)
 
     def close(self) -> None:
         """Detach every perf event and unload the program and its maps."""
@@ -388,6 +448,7 @@ class Sampler:
             self._bpf.cleanup()
             self._bpf = None
             self._maps = None
+            self._tables = None
 
     def __enter__(self) -> Sampler:
         self.start()

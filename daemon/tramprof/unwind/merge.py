@@ -19,15 +19,18 @@ def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
     frames merged in by stack address (markers as strings).
 
     A stub's own native frame is dropped: its trampoline frame, named from
-    the perf map, stands in. Where the frame-pointer walk stopped below
-    trampoline frames, one ``NATIVE_GAP`` marker says native frames are missing.
+    the perf map, stands in. Where the native walk stopped below trampoline
+    frames, or the table walk stopped at code without unwind rules, one
+    ``NATIVE_GAP`` marker says native frames are missing.
     """
     native = [(sp, ip if i == 0 else ip - 1) for i, (ip, sp) in enumerate(sample.user_frames)]
+    stopped = bool(sample.user_flags & layout.TABLE_STOP)
     if not sample.trampoline_frames or stubs is None:
-        return [addr for _sp, addr in native]
+        # The table walk stopped at code it has no rule for: say so at the root.
+        return [addr for _sp, addr in native] + ([NATIVE_GAP] if stopped else [])
     native = [(sp, addr) for sp, addr in native if addr not in stubs]
     reached = native[-1][0] if native else 0
-    incomplete = bool(sample.user_flags & layout.USTACK_FAULT)
+    incomplete = stopped or bool(sample.user_flags & layout.USTACK_FAULT)
     merged = sorted(native + [(sp, ip) for ip, sp in sample.trampoline_frames],
                     key=lambda f: f[0])
     out: list[int | str] = []

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from tramprof.model import RawSample
 from tramprof.procfs.maps import Mapping
 from tramprof.sampler import layout
 from tramprof.unwind.arenas import Arenas
@@ -83,34 +84,56 @@ class UnwindMode(Protocol):
         """Processes refused or failed, by reason (cumulative)."""
 
 
-class UnwindModes:
-    """The trampoline modes in a fixed order of preference; the first that
-    unwinds a process keeps it, and the later ones let it go."""
+class NativeMode(UnwindMode, Protocol):
+    """A mode that replaces the frame-pointer walk of native frames (under
+    whichever trampoline mode a process also has); it learns from samples
+    which code needs it."""
 
-    def __init__(self, modes: Sequence[UnwindMode]) -> None:
+    def note_sample(self, sample: RawSample) -> None:
+        """A drained sample of a process this mode was asked to consider."""
+
+    def close(self) -> None:
+        """Stop background work."""
+
+
+class UnwindModes:
+    """The trampoline modes in a fixed order of preference (the first that
+    unwinds a process keeps it, and the later ones let it go), and the
+    native modes, which every process may have on top."""
+
+    def __init__(self, modes: Sequence[UnwindMode], native: Sequence[NativeMode] = ()) -> None:
         self.modes = tuple(modes)
-        names = [m.name for m in self.modes]
+        self.native = tuple(native)
+        names = [m.name for m in (*self.modes, *self.native)]
         if FP in names or len(set(names)) != len(names):
             raise ValueError(f"mode names must be distinct and not {FP!r}: {names}")
 
     @property
     def names(self) -> tuple[str, ...]:
-        return (*(m.name for m in self.modes), FP)
+        return (*(m.name for m in (*self.modes, *self.native)), FP)
 
     def consider(self, pid: int, mappings: Sequence[Mapping]) -> None:
+        for native in self.native:
+            native.consider(pid, mappings)
         for mode in self.modes:
             mode.consider(pid, mappings)
             if mode.unwinds(pid):
                 return
+
+    def note_sample(self, sample: RawSample) -> None:
+        for native in self.native:
+            native.note_sample(sample)
 
     def refresh(self, live: set[int]) -> None:
         taken: set[int] = set()
         for mode in self.modes:
             mode.refresh(live - taken)
             taken |= {pid for pid in live if mode.unwinds(pid)}
+        for native in self.native:
+            native.refresh(live)
 
     def forget(self, pid: int) -> None:
-        for mode in self.modes:
+        for mode in (*self.modes, *self.native):
             mode.forget(pid)
 
     def _owner(self, pid: int) -> UnwindMode | None:
@@ -125,6 +148,20 @@ class UnwindModes:
         return owner.arenas(pid) if owner is not None else None
 
     def report(self, pid: int) -> ModeReport:
+        """The trampoline report (below), with what the native modes found."""
+        found = self._trampoline_report(pid)
+        for native in self.native:
+            extra = native.report(pid)
+            if extra is None:
+                continue
+            mode = found.mode if found.mode != FP or extra.mode == FP else extra.mode
+            if found.mode != FP and extra.mode != FP:
+                mode = f"{found.mode}+{extra.mode}"
+            found = ModeReport(mode, f"{found.detail}; {extra.detail}",
+                               "; ".join(p for p in (found.problem, extra.problem) if p))
+        return found
+
+    def _trampoline_report(self, pid: int) -> ModeReport:
         """The owning mode's report, else the first mode with something to say
         (e.g. a refusal), else plain frame-pointer walking."""
         owner = self._owner(pid)
@@ -142,15 +179,28 @@ class UnwindModes:
     def errors(self) -> Counter[tuple[str, str]]:
         """(mode, reason) -> processes refused or failed."""
         out: Counter[tuple[str, str]] = Counter()
-        for mode in self.modes:
+        for mode in (*self.modes, *self.native):
             for reason, count in mode.errors().items():
                 out[(mode.name, reason)] += count
         return out
 
 
 class DryRunMaps:
-    """A ``MapWriter`` that installs nothing: ``doctor`` asks the modes what
-    they would do for a process without loading the BPF program."""
+    """A ``MapWriter`` (and table writer) that installs nothing: ``doctor``
+    asks the modes what they would do for a process without loading the BPF
+    program."""
+
+    def load_rows(self, rows: bytes) -> int:
+        return 0
+
+    def unload_rows(self, first_row: int) -> None:
+        pass
+
+    def set_unwind_process(self, tgid: int, mappings: Sequence[layout.UnwindMapping]) -> None:
+        pass
+
+    def remove_unwind_process(self, tgid: int) -> None:
+        pass
 
     def install(self, tgid: int, walker: bytes, record: ctypes.Structure,
                 arenas: Iterable[tuple[int, int]]) -> None:

@@ -1,0 +1,424 @@
+"""Table mode ("eh_frame"): native code without frame pointers.
+
+The frame-pointer walk stops, or wanders, at the first frame of code built
+without frame pointers (libc, libpython, zlib, any ``-O2`` C/C++/Rust). This
+mode gives the BPF walker (``bpf/table_walk.h``) unwind rows for exactly the
+objects that need them:
+
+- **lazily**: an object is looked at only once a sampled frame lies in it;
+- **once per object**: keyed by build id (else device, inode, size and
+  mtime), so every process mapping the same library shares one table;
+- **only without frame pointers**: an object whose functions keep rbp frames
+  is left to the cheaper FP step;
+- **within a budget** (``unwind_table_bytes`` of kernel memory): loading an
+  object evicts the least recently sampled ones first.
+
+Compiling runs on a worker thread (``unwind.cfi``: ~2 s for a 60k-row
+object) so drains are never held up; finished tables are installed after the
+next drain. A process gets a BPF mapping list (``tp_unwind_proc``) as soon as
+one of its objects has a table; its other code is walked by frame pointers.
+
+This is not a trampoline mode: it replaces the native walk underneath
+whichever trampoline mode (chain, scan) the process also has.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import BinaryIO, Protocol
+
+from tramprof.model import RawSample
+from tramprof.procfs.maps import Mapping
+from tramprof.sampler import layout
+from tramprof.sampler.tables import CHUNK_BYTES, PROC_BYTES, TablesFull, chunks_for
+from tramprof.symbols.elf import read_build_id
+from tramprof.symbols.safeopen import open_mapping
+from tramprof.unwind.arenas import Arenas
+from tramprof.unwind.cfi import CfiError, UnwindTable, compile_table
+from tramprof.unwind.mode import FP, ModeReport
+
+log = logging.getLogger(__name__)
+
+NAME = "eh_frame"
+#: Objects waiting to be compiled at most; more are looked at later.
+MAX_QUEUED = 64
+#: An object whose table was evicted is not rebuilt sooner than this (s).
+REBUILD_BACKOFF_SECONDS = 60.0
+
+
+class TableWriter(Protocol):
+    """Where the mode puts tables (``sampler.program.Sampler``)."""
+
+    def load_rows(self, rows: bytes) -> int: ...
+
+    def unload_rows(self, first_row: int) -> None: ...
+
+    def set_unwind_process(self, tgid: int,
+                           mappings: Sequence[layout.UnwindMapping]) -> None: ...
+
+    def remove_unwind_process(self, tgid: int) -> None: ...
+
+
+@dataclass
+class TableObject:
+    """One ELF object, shared by every process that maps it."""
+
+    key: str
+    name: str
+    state: str = "queued"    # queued | loaded | frame_pointers | refused | evicted
+    reason: str = ""         # refused: why
+    first_row: int = -1
+    rows: int = 0
+    fp_share: float = 0.0
+    segments: tuple[tuple[int, int, int], ...] = ()  # executable (offset, vaddr, filesz)
+    last_sampled: float = 0.0
+    evicted_at: float = 0.0
+
+    @property
+    def table_bytes(self) -> int:
+        return chunks_for(self.rows) * CHUNK_BYTES if self.state == "loaded" else 0
+
+    def bias(self, m: Mapping) -> int | None:
+        """pc - bias = ELF address, for a mapping of this object."""
+        for offset, vaddr, filesz in self.segments:
+            if offset <= m.offset < offset + filesz:
+                return m.start - m.offset + offset - vaddr
+        return None
+
+
+@dataclass
+class TabledProcess:
+    mappings: list[Mapping]
+    starts: list[int]
+    objects: dict[int, str] = field(default_factory=dict)  # mapping index -> object key
+    wanted: set[int] = field(default_factory=set)          # mapping indexes to resolve
+    unreadable: set[int] = field(default_factory=set)      # mapping indexes that did not open
+    installed: tuple[tuple[int, int, int, int, int], ...] = ()
+
+
+@dataclass
+class TableStats:
+    """Self-metrics of the tables (exported by the profiler)."""
+
+    table_bytes: int = 0
+    objects_loaded: int = 0
+    rows: int = 0
+    evictions: int = 0
+    build_seconds: float = 0.0
+    builds: Counter[str] = field(default_factory=Counter)  # result -> objects
+
+
+def _executable_segments(f: BinaryIO) -> tuple[tuple[int, int, int], ...]:
+    from elftools.elf.elffile import ELFFile
+
+    f.seek(0)
+    elf = ELFFile(f)
+    return tuple((int(seg["p_offset"]), int(seg["p_vaddr"]), int(seg["p_filesz"]))
+                 for seg in elf.iter_segments()
+                 if seg["p_type"] == "PT_LOAD" and seg["p_flags"] & 1)
+
+
+def _object_key(f: BinaryIO) -> str:
+    build_id = read_build_id(f)
+    if build_id:
+        return f"build-id:{build_id}"
+    st = os.fstat(f.fileno())
+    return f"file:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _build(f: BinaryIO) -> tuple[UnwindTable, tuple[tuple[int, int, int], ...], float]:
+    """Worker thread: compile one object (the file is closed here)."""
+    began = time.monotonic()
+    with f:
+        table = compile_table(f)
+        segments = _executable_segments(f)
+    return table, segments, time.monotonic() - began
+
+
+class TableMode:
+    """Unwind tables for the objects sampled processes spend time in."""
+
+    name = NAME
+    sample_counter = layout.Counter.TABLE_SAMPLES
+
+    def __init__(self, writer: TableWriter, budget_bytes: int, proc_root: str = "/proc",
+                 executor: ThreadPoolExecutor | None = None) -> None:
+        self._writer = writer
+        self.budget_bytes = budget_bytes
+        self._proc_root = proc_root
+        self._procs: dict[int, TabledProcess] = {}
+        self._objects: dict[str, TableObject] = {}
+        self._building: dict[str, Future[tuple[UnwindTable, tuple[tuple[int, int, int], ...],
+                                               float]]] = {}
+        self._executor = executor
+        self._errors: Counter[str] = Counter()
+        self.stats = TableStats()
+        self._now = time.monotonic
+
+    # -- the UnwindMode protocol ------------------------------------------
+
+    def consider(self, pid: int, mappings: Sequence[Mapping]) -> None:
+        if self.budget_bytes <= 0:
+            return
+        files = sorted((m for m in mappings if m.is_exec and not m.is_anonymous
+                        and not m.is_special), key=lambda m: m.start)
+        known = self._procs.get(pid)
+        proc = TabledProcess(mappings=files, starts=[m.start for m in files])
+        if known is not None:  # the maps changed (dlopen): keep what still holds
+            old = {known.mappings[i]: key for i, key in known.objects.items()}
+            proc.objects = {i: old[m] for i, m in enumerate(files) if m in old}
+            proc.installed = known.installed
+        self._procs[pid] = proc
+
+    def note_sample(self, sample: RawSample) -> None:
+        """A drained sample: the objects its native frames lie in are wanted."""
+        proc = self._procs.get(sample.tgid)
+        if proc is None or not proc.starts:
+            return
+        now = self._now()
+        for i, (ip, _sp) in enumerate(sample.user_frames):
+            pc = ip if i == 0 else ip - 1
+            at = bisect_right(proc.starts, pc) - 1
+            if at < 0 or pc >= proc.mappings[at].end:
+                continue
+            key = proc.objects.get(at)
+            if key is None:
+                proc.wanted.add(at)
+                continue
+            obj = self._objects[key]
+            obj.last_sampled = now
+            if obj.state == "evicted":
+                proc.wanted.add(at)  # reloaded once the back-off has passed
+
+    def want_all(self, pid: int) -> None:
+        """Look at every executable object of ``pid`` (``doctor``), sampled or not."""
+        proc = self._procs.get(pid)
+        if proc is not None:
+            proc.wanted.update(range(len(proc.mappings)))
+
+    def refresh(self, live: set[int]) -> None:
+        for pid in [p for p in self._procs if p not in live]:
+            self.forget(pid)
+        if self.budget_bytes <= 0:
+            return
+        for pid in live & self._procs.keys():
+            self._resolve_wanted(pid)
+        self._collect_builds()
+        for pid in live & self._procs.keys():
+            self._install(pid)
+        self._update_stats()
+
+    def forget(self, pid: int) -> None:
+        proc = self._procs.pop(pid, None)
+        if proc is not None and proc.installed:
+            self._writer.remove_unwind_process(pid)
+
+    def unwinds(self, pid: int) -> bool:
+        proc = self._procs.get(pid)
+        return proc is not None and bool(proc.installed)
+
+    def arenas(self, pid: int) -> Arenas | None:
+        return None  # no stubs: the native frames themselves are exact
+
+    def errors(self) -> Counter[str]:
+        return Counter(self._errors)
+
+    def report(self, pid: int) -> ModeReport | None:
+        proc = self._procs.get(pid)
+        if proc is None:
+            return None
+        parts = []
+        problems = []
+        for i, m in enumerate(proc.mappings):
+            key = proc.objects.get(i)
+            obj = self._objects.get(key) if key else None
+            if obj is None:
+                continue
+            if obj.state == "loaded":
+                parts.append(f"{obj.name}: no frame pointers, unwind table of {obj.rows:,} rows")
+            elif obj.state == "frame_pointers":
+                parts.append(f"{obj.name}: keeps frame pointers ({obj.fp_share:.0%} of "
+                             "functions), no table needed")
+            elif obj.state == "refused":
+                problems.append(f"{obj.name}: {obj.reason}")
+            else:
+                parts.append(f"{obj.name} ({m.path}): {obj.state}")
+        if not parts and not problems:
+            return None
+        mode = NAME if proc.installed else FP
+        return ModeReport(mode, "unwind tables: " + "; ".join(parts + problems),
+                          ("no table for " + "; ".join(problems)) if problems else "")
+
+    # -- tables ------------------------------------------------------------
+
+    def objects(self) -> list[TableObject]:
+        return list(self._objects.values())
+
+    def _resolve_wanted(self, pid: int) -> None:
+        proc = self._procs[pid]
+        wanted, proc.wanted = proc.wanted, set()
+        now = self._now()
+        for at in sorted(wanted):
+            if at >= len(proc.mappings) or at in proc.unreadable:
+                continue
+            known = self._objects.get(proc.objects.get(at, ""))
+            if known is not None and not (known.state == "evicted" and
+                                          now - known.evicted_at >= REBUILD_BACKOFF_SECONDS):
+                continue
+            m = proc.mappings[at]
+            f = open_mapping(f"{self._proc_root}/{pid}", m)
+            if f is None:
+                self._errors["object_unreadable"] += 1
+                proc.unreadable.add(at)
+                continue
+            try:
+                key = _object_key(f)
+            except (OSError, ValueError) as exc:
+                f.close()
+                self._errors["object_unreadable"] += 1
+                proc.unreadable.add(at)
+                log.debug("pid %d: %s: %s", pid, m.path, exc)
+                continue
+            proc.objects[at] = key
+            obj = self._objects.get(key)
+            if obj is None:
+                obj = self._objects[key] = TableObject(key=key, name=m.basename)
+            obj.last_sampled = self._now()
+            if obj.state == "evicted" and self._now() - obj.evicted_at >= REBUILD_BACKOFF_SECONDS:
+                obj.state = "queued"
+            if obj.state == "queued" and key not in self._building:
+                if len(self._building) >= MAX_QUEUED:
+                    del proc.objects[at]  # looked at again when sampled again
+                    f.close()
+                    continue
+                self._building[key] = self._pool().submit(_build, f)
+            else:
+                f.close()
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1,
+                                                thread_name_prefix="tramprof-cfi")
+        return self._executor
+
+    def wait_for_builds(self, timeout: float) -> None:
+        """Block until queued builds finish (tests and ``doctor``)."""
+        deadline = self._now() + timeout
+        for future in list(self._building.values()):
+            future.exception(timeout=max(0.0, deadline - self._now()))
+
+    def _collect_builds(self) -> None:
+        for key, future in list(self._building.items()):
+            if not future.done():
+                continue
+            del self._building[key]
+            obj = self._objects[key]
+            try:
+                table, segments, seconds = future.result()
+            except (CfiError, OSError, ValueError) as exc:
+                self._refuse(obj, "no_usable_cfi", str(exc))
+                continue
+            except Exception as exc:  # pyelftools on a hostile object
+                self._refuse(obj, "malformed_object", f"{type(exc).__name__}: {exc}")
+                continue
+            self.stats.build_seconds += seconds
+            obj.rows, obj.fp_share, obj.segments = table.row_count, table.fp_share, segments
+            if table.frame_pointers:
+                obj.state = "frame_pointers"
+                self.stats.builds["frame_pointers"] += 1
+                continue
+            if table.row_count == 0 or not segments:
+                self._refuse(obj, "no_usable_cfi", "no .eh_frame or .debug_frame rows")
+                continue
+            self._load(obj, table)
+
+    def _refuse(self, obj: TableObject, reason: str, detail: str) -> None:
+        obj.state, obj.reason = "refused", f"{reason}: {detail}"
+        self._errors[reason] += 1
+        self.stats.builds[reason] += 1
+        log.info("no unwind table for %s: %s", obj.name, obj.reason)
+
+    def _used_bytes(self) -> int:
+        tabled = sum(1 for p in self._procs.values() if p.installed)
+        return sum(o.table_bytes for o in self._objects.values()) + tabled * PROC_BYTES
+
+    def _load(self, obj: TableObject, table: UnwindTable) -> None:
+        need = chunks_for(table.row_count) * CHUNK_BYTES
+        if need + PROC_BYTES > self.budget_bytes:
+            self._refuse(obj, "budget", f"{need:,} bytes of rows exceed unwind_table_bytes")
+            return
+        victims = sorted((o for o in self._objects.values() if o.state == "loaded"),
+                         key=lambda o: o.last_sampled)
+        while self._used_bytes() + need > self.budget_bytes and victims:
+            self._evict(victims.pop(0))
+        for _attempt in range(2):
+            try:
+                obj.first_row = self._writer.load_rows(table.rows)
+                break
+            except TablesFull:
+                if not victims:
+                    self._refuse(obj, "budget", "no room for its rows")
+                    return
+                self._evict(victims.pop(0))
+            except OSError as exc:
+                self._refuse(obj, "map_error", str(exc))
+                return
+        else:
+            self._refuse(obj, "budget", "no room for its rows")
+            return
+        obj.state = "loaded"
+        self.stats.builds["loaded"] += 1
+
+    def _evict(self, obj: TableObject) -> None:
+        """Take an object's rows out of every process, then out of the maps."""
+        first = obj.first_row
+        obj.state, obj.first_row, obj.evicted_at = "evicted", -1, self._now()
+        for pid in self._procs:
+            self._install(pid)
+        self._writer.unload_rows(first)
+        self.stats.evictions += 1
+
+    def _install(self, pid: int) -> None:
+        proc = self._procs[pid]
+        entries = []
+        for at, key in proc.objects.items():
+            obj = self._objects.get(key)
+            if obj is None or obj.state != "loaded":
+                continue
+            m = proc.mappings[at]
+            bias = obj.bias(m)
+            if bias is None:
+                continue
+            entries.append((obj.last_sampled, m.start, m.end, bias % (1 << 64), obj.first_row,
+                            obj.rows))
+        # Most recently sampled objects first when there are too many.
+        entries.sort(key=lambda e: -e[0])
+        chosen = sorted(e[1:] for e in entries[:layout.MAX_UNWIND_MAPPINGS])
+        record = tuple(chosen)
+        if record == proc.installed:
+            return
+        if record:
+            self._writer.set_unwind_process(pid, [
+                layout.UnwindMapping(start=s, end=e, bias=b, first_row=f, nr_rows=n)
+                for s, e, b, f, n in record])
+        else:
+            self._writer.remove_unwind_process(pid)
+        proc.installed = record
+
+    def _update_stats(self) -> None:
+        loaded = [o for o in self._objects.values() if o.state == "loaded"]
+        self.stats.objects_loaded = len(loaded)
+        self.stats.rows = sum(o.rows for o in loaded)
+        self.stats.table_bytes = self._used_bytes()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
