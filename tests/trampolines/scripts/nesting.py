@@ -5,6 +5,7 @@
     nesting.py threads SECONDS    thread A in alpha_work, thread B in beta_work
     nesting.py zlib SECONDS       compress_loop -> zlib.compress (native leaf)
     nesting.py mix SECONDS        work_a, work_b, work_c in a 3:2:1 ratio of time
+    nesting.py sorted SECONDS     sort_loop -> sorted() (native) -> sort_key (Python)
 
 Prints "ready" once the work is running (threads started).
 """
@@ -83,6 +84,21 @@ def compress_loop(until):
     return n
 
 
+def sort_key(item):
+    x = item
+    for _ in range(20):
+        x = (x * 31 + 7) & 0xFFFF
+    return x
+
+
+def sort_loop(until):
+    data = list(range(2000))
+    n = 0
+    while time.monotonic() < until:
+        n += sorted(data, key=sort_key)[0]
+    return n
+
+
 def main():
     mode, seconds = sys.argv[1], float(sys.argv[2])
     until = time.monotonic() + seconds
@@ -105,6 +121,8 @@ def main():
         compress_loop(until)
     elif mode == "mix":
         mix(until)
+    elif mode == "sorted":
+        sort_loop(until)
 
 
 if __name__ == "__main__":
