@@ -5,6 +5,7 @@ recording writer)."""
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -55,6 +56,11 @@ class RecordingWriter:
 def sleepers() -> Iterator[list[int]]:
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
+        for p in procs:  # the dynamic loader maps libc just after exec
+            deadline = time.monotonic() + 5
+            while not any(m.basename.startswith("libc.so") for m in read_maps(p.pid)):
+                assert time.monotonic() < deadline, "sleep never mapped libc"
+                time.sleep(0.01)
         yield [p.pid for p in procs]
     finally:
         for p in procs:

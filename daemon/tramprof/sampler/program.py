@@ -29,6 +29,7 @@ from tramprof.config import DEFAULT_STUB_PAGES, check_setting
 from tramprof.model import RawSample
 from tramprof.sampler import layout as bpf_layout
 from tramprof.sampler.btf import VMLINUX_BTF, BtfError, KernelBtf
+from tramprof.sampler.chunkmaker import ChunkMaker
 from tramprof.sampler.drain import drain_buffer
 from tramprof.sampler.layout import Counter
 from tramprof.sampler.maps import ProcessMaps
@@ -191,6 +192,7 @@ class Sampler:
         self.event_name = ""
         self._maps: ProcessMaps | None = None
         self._tables: UnwindTableMaps | None = None
+        self._chunk_maker: ChunkMaker | None = None
 
     def start(self, pids: Iterable[int] | None = None) -> None:
         """Compile, load and attach; with ``pids``, only those processes are
@@ -222,7 +224,12 @@ class Sampler:
         self._load_scan_program(BPF)
         self._load_table_program(BPF)
         self._maps = ProcessMaps(self._bpf, self.config.max_stub_pages_per_process)
-        self._tables = UnwindTableMaps(self._bpf, self.config.unwind_chunk_slots)
+        if self.config.unwind_table_bytes:
+            # Chunks are created as objects show up, after CAP_BPF is dropped.
+            self._chunk_maker = ChunkMaker()
+        self._tables = UnwindTableMaps(
+            self._bpf, self.config.unwind_chunk_slots,
+            self._chunk_maker.create if self._chunk_maker is not None else None)
         self._open_new_process_events()
         self._attach()
         self._enable_run_time_stats()
@@ -449,6 +456,9 @@ class Sampler:
             self._bpf = None
             self._maps = None
             self._tables = None
+        if self._chunk_maker is not None:
+            self._chunk_maker.close()
+            self._chunk_maker = None
 
     def __enter__(self) -> Sampler:
         self.start()

@@ -8,8 +8,10 @@ search, while memory is only spent on chunks that exist: an empty slot is a
 null pointer. There are more slots than the memory budget can fill, so freed
 runs never need compacting. Chunks are written with one batch update each.
 
-This is the only writer of ``unwind_chunks`` and ``unwind_procs``; what to
-load and when to evict is ``unwind.tables``' decision.
+Chunks are created directly while the daemon holds CAP_BPF, and by the
+``chunkmaker`` child after it dropped it. This is the only writer of
+``unwind_chunks`` and ``unwind_procs``; what to load and when to evict is
+``unwind.tables``' decision.
 """
 
 from __future__ import annotations
@@ -17,16 +19,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tramprof.sampler import layout
 from tramprof.sampler.btf import libbpf
+from tramprof.sampler.chunkmaker import create_chunk_map
 
 ROW_BYTES = ctypes.sizeof(layout.UnwindRow)
 CHUNK_BYTES = layout.UNWIND_CHUNK_ROWS * ROW_BYTES
 PROC_BYTES = ctypes.sizeof(layout.UnwindProc)
-_BPF_MAP_TYPE_ARRAY = 2
 
 
 class TablesFull(Exception):
@@ -40,8 +42,9 @@ def chunks_for(rows: int) -> int:
 class UnwindTableMaps:
     """Loads and unloads row runs and writes process mapping lists."""
 
-    def __init__(self, bpf: Any, slots: int) -> None:
+    def __init__(self, bpf: Any, slots: int, maker: Callable[[], int] | None = None) -> None:
         self._bpf = bpf
+        self._maker = maker
         self.slots = slots
         self._outer_fd = int(bpf[b"unwind_chunks"].map_fd)
         self._procs = bpf.get_table(b"unwind_procs", keytype=ctypes.c_uint32,
@@ -49,9 +52,6 @@ class UnwindTableMaps:
         self._free: list[tuple[int, int]] = [(0, slots)]  # (first slot, count), sorted
         self._runs: dict[int, int] = {}                    # first row -> slots
         lib = libbpf()
-        lib.bpf_map_create.restype = ctypes.c_int
-        lib.bpf_map_create.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32,
-                                       ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p]
         lib.bpf_map_update_batch.restype = ctypes.c_int
         lib.bpf_map_update_batch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                              ctypes.POINTER(ctypes.c_uint32), ctypes.c_void_p]
@@ -103,10 +103,12 @@ class UnwindTableMaps:
             del self._procs[ctypes.c_uint32(tgid)]
 
     def _install_chunk(self, slot: int, part: bytes) -> None:
-        fd = self._lib.bpf_map_create(_BPF_MAP_TYPE_ARRAY, b"tp_unwind_rows", 4, ROW_BYTES,
-                                      layout.UNWIND_CHUNK_ROWS, None)
-        if fd < 0:
-            raise OSError(-fd, f"creating an unwind chunk: {os.strerror(-fd)}")
+        try:
+            fd = create_chunk_map()
+        except PermissionError:
+            if self._maker is None:
+                raise
+            fd = self._maker()  # CAP_BPF is gone: the chunk maker keeps it
         try:
             n = len(part) // ROW_BYTES
             if n:

@@ -35,6 +35,8 @@ import stat
 from dataclasses import dataclass, field
 from typing import BinaryIO, Final
 
+from tramprof.procfs.maps import Mapping
+
 MISSING: Final = "missing"
 SYMLINK: Final = "symlink"
 NOT_REGULAR: Final = "not_regular"
@@ -285,3 +287,28 @@ def open_mapped_object(path: str, *, root: str | None = None
         os.close(fd)
         return Refusal(NOT_REGULAR, f"file type {stat.S_IFMT(st.st_mode):o}")
     return os.fdopen(fd, "rb"), st
+
+
+def open_mapping(proc: str, m: Mapping) -> BinaryIO | None:
+    """The object behind one mapping of a process, the way the process sees it.
+
+    ``proc`` is ``/proc/PID``. ``/proc/PID/root`` + path gives the
+    container's view of the file; the inode check rejects a file replaced
+    since it was mapped. Deleted files, memfds and mismatches go through
+    ``map_files``, which always opens the object that is actually mapped
+    (needs CAP_SYS_ADMIN). None: neither way opened it.
+    """
+    candidates: list[tuple[str, str | None]] = []
+    if not m.is_deleted and not m.is_memfd:
+        candidates.append((m.path, f"{proc}/root"))
+    candidates.append((f"{proc}/map_files/{m.start:x}-{m.end:x}", None))
+    for path, root in candidates:
+        opened = open_mapped_object(path, root=root)
+        if isinstance(opened, Refusal):
+            continue
+        f, st = opened
+        if root is not None and m.inode and st.st_ino != m.inode:
+            f.close()
+            continue
+        return f
+    return None

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol
 
@@ -133,13 +134,51 @@ def _object_key(f: BinaryIO) -> str:
     return f"file:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def _build(f: BinaryIO) -> tuple[UnwindTable, tuple[tuple[int, int, int], ...], float]:
-    """Worker thread: compile one object (the file is closed here)."""
-    began = time.monotonic()
-    with f:
-        table = compile_table(f)
-        segments = _executable_segments(f)
-    return table, segments, time.monotonic() - began
+Built = tuple[UnwindTable, tuple[tuple[int, int, int], ...], float]
+
+
+class Build:
+    """One object being compiled on the worker thread."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.file = f
+        self.done = threading.Event()
+        self.result: Built | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        began = time.monotonic()
+        try:
+            with self.file:
+                table = compile_table(self.file)
+                segments = _executable_segments(self.file)
+            self.result = (table, segments, time.monotonic() - began)
+        except BaseException as exc:  # reported on the daemon's thread
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+class BuildWorker:
+    """One daemon thread compiling objects in turn: a build in progress never
+    holds up the daemon's exit (a thread pool's worker would be joined)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Build | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="tramprof-cfi", daemon=True)
+        self._thread.start()
+
+    def submit(self, f: BinaryIO) -> Build:
+        build = Build(f)
+        self._queue.put(build)
+        return build
+
+    def _loop(self) -> None:
+        while (build := self._queue.get()) is not None:
+            build.run()
+
+    def close(self) -> None:
+        self._queue.put(None)
 
 
 class TableMode:
@@ -148,16 +187,14 @@ class TableMode:
     name = NAME
     sample_counter = layout.Counter.TABLE_SAMPLES
 
-    def __init__(self, writer: TableWriter, budget_bytes: int, proc_root: str = "/proc",
-                 executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, writer: TableWriter, budget_bytes: int, proc_root: str = "/proc") -> None:
         self._writer = writer
         self.budget_bytes = budget_bytes
         self._proc_root = proc_root
         self._procs: dict[int, TabledProcess] = {}
         self._objects: dict[str, TableObject] = {}
-        self._building: dict[str, Future[tuple[UnwindTable, tuple[tuple[int, int, int], ...],
-                                               float]]] = {}
-        self._executor = executor
+        self._building: dict[str, Build] = {}
+        self._worker: BuildWorker | None = None
         self._errors: Counter[str] = Counter()
         self.stats = TableStats()
         self._now = time.monotonic
@@ -298,36 +335,36 @@ class TableMode:
                     del proc.objects[at]  # looked at again when sampled again
                     f.close()
                     continue
-                self._building[key] = self._pool().submit(_build, f)
+                self._building[key] = self._pool().submit(f)
             else:
                 f.close()
 
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1,
-                                                thread_name_prefix="tramprof-cfi")
-        return self._executor
+    def _pool(self) -> BuildWorker:
+        if self._worker is None:
+            self._worker = BuildWorker()
+        return self._worker
 
     def wait_for_builds(self, timeout: float) -> None:
         """Block until queued builds finish (tests and ``doctor``)."""
         deadline = self._now() + timeout
-        for future in list(self._building.values()):
-            future.exception(timeout=max(0.0, deadline - self._now()))
+        for build in list(self._building.values()):
+            build.done.wait(max(0.0, deadline - self._now()))
 
     def _collect_builds(self) -> None:
-        for key, future in list(self._building.items()):
-            if not future.done():
+        for key, build in list(self._building.items()):
+            if not build.done.is_set():
                 continue
             del self._building[key]
             obj = self._objects[key]
-            try:
-                table, segments, seconds = future.result()
-            except (CfiError, OSError, ValueError) as exc:
-                self._refuse(obj, "no_usable_cfi", str(exc))
+            if isinstance(build.error, (CfiError, OSError, ValueError)):
+                self._refuse(obj, "no_usable_cfi", str(build.error))
                 continue
-            except Exception as exc:  # pyelftools on a hostile object
-                self._refuse(obj, "malformed_object", f"{type(exc).__name__}: {exc}")
+            if build.error is not None or build.result is None:
+                # pyelftools on a hostile object raises what it likes.
+                self._refuse(obj, "malformed_object",
+                             f"{type(build.error).__name__}: {build.error}")
                 continue
+            table, segments, seconds = build.result
             self.stats.build_seconds += seconds
             obj.rows, obj.fp_share, obj.segments = table.row_count, table.fp_share, segments
             if table.frame_pointers:
@@ -419,6 +456,6 @@ class TableMode:
         self.stats.table_bytes = self._used_bytes()
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._worker is not None:
+            self._worker.close()
 
