@@ -376,3 +376,73 @@ def test_unreadable_maps(tmp_path: Path) -> None:
     sym = _symbolizer(9, proc_root=str(tmp_path))
     assert sym.resolve(0x1000) == "[unknown]"
     assert sym.stats.snapshot() == {"maps_unreadable": 1}
+
+
+# -- stripped objects: separate debug files, demangling ----------------------------
+
+
+@pytest.fixture(scope="module")
+def split_cxx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A stripped C++ program next to its debug file (found by .gnu_debuglink),
+    and a copy next to a debug file that fails the CRC."""
+    if shutil.which("g++") is None or shutil.which("objcopy") is None:
+        pytest.skip("needs g++ and objcopy to build a program with a separate debug file")
+    d = tmp_path_factory.mktemp("splitbins")
+    full = d / "cxx_full"
+    _run("g++", *CFLAGS, "-g", "-o", full, CSRC / "cxx_target.cc")
+    out = {"full": full}
+    for variant in ("good", "bad"):
+        (d / variant).mkdir()
+        exe, debug = d / variant / "cxx", d / variant / "cxx.debug"
+        _run("objcopy", "--only-keep-debug", full, debug)
+        _run("strip", "--strip-all", "-o", exe, full)
+        _run("objcopy", f"--add-gnu-debuglink={debug}", exe)
+        out[variant] = exe
+    with open(d / "bad" / "cxx.debug", "ab") as f:
+        f.write(b"\0")
+    return out
+
+
+def _mangled_at(path: Path, vaddr: int) -> str:
+    for line in _run("readelf", "-W", "--syms", path).splitlines():
+        parts = line.split()
+        if len(parts) == 8 and parts[3] == "FUNC" and int(parts[1], 16) == vaddr:
+            return parts[7]
+    raise AssertionError(f"no function at {vaddr:#x} in {path}")
+
+
+def test_live_stripped_program_named_from_its_debug_file_and_demangled(
+        split_cxx: dict[str, Path]) -> None:
+    from tramprof.symbols.debuginfo import DebugInfo
+    from tramprof.symbols.demangle import Demangler
+
+    demangler = Demangler()
+    try:
+        with running(split_cxx["good"]) as (proc, addrs):
+            sym = ProcessSymbolizer(proc.pid, ElfCache(), SymbolizationStats(),
+                                    debug_info=DebugInfo(), demangler=demangler)
+            names = [sym.resolve(a) for a in addrs]
+            bare = _symbolizer(proc.pid)  # without the debug file: offsets only
+            assert all(bare.resolve(a).startswith("cxx+0x") for a in addrs)
+        seg_off, seg_vaddr, _ = _exec_load(split_cxx["full"])
+        exe = next(m for m in sym.mappings if m.is_exec and m.path.endswith("/good/cxx"))
+        mangled = [_mangled_at(split_cxx["full"], a - exe.start + exe.offset - seg_off + seg_vaddr)
+                   for a in addrs]
+        expected = _run("c++filt", *mangled).splitlines()
+        assert names == expected
+        assert names[1:] == ["(anonymous namespace)::hidden_helper(int)",
+                             "tramprof_unit_c_static_like"]
+        assert sym.stats.total() == 0
+    finally:
+        demangler.close()
+
+
+def test_debug_file_failing_its_crc_is_refused_and_counted(split_cxx: dict[str, Path]) -> None:
+    from tramprof.symbols.debuginfo import DebugInfo
+
+    with running(split_cxx["bad"]) as (proc, (_describe, hidden, _c)):
+        sym = ProcessSymbolizer(proc.pid, ElfCache(), SymbolizationStats(),
+                                debug_info=DebugInfo())
+        assert sym.resolve(hidden).startswith("cxx+0x")
+        assert sym.resolve(hidden + 1).startswith("cxx+0x")
+    assert sym.stats.snapshot() == {"debug_file_crc_mismatch": 1, "no_symbol": 2}

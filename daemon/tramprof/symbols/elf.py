@@ -9,7 +9,8 @@ about twenty times faster.
 
 An ``ElfSymbols`` keeps only what symbolization needs, as a flat table (an
 ``array('Q')`` of starts and a list of names, ``None`` marking gaps), the
-build-id and the PT_LOAD segments; no pyelftools object outlives parsing.
+build-id, the PT_LOAD segments and the ``.gnu_debuglink`` (where a stripped
+object's separate debug file is); no pyelftools object outlives parsing.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from elftools.elf.elffile import ELFFile
 
 from tramprof.symbols.errors import ElfError
 
-__all__ = ["ElfCache", "ElfError", "ElfSymbols", "LoadSegment", "read_build_id"]
+__all__ = ["DebugLink", "ElfCache", "ElfError", "ElfSymbols", "LoadSegment", "read_build_id"]
 
 _ELF_MAGIC = b"\x7fELF"
 _PF_X = 0x1
 _SHF_ALLOC = 0x2
+_SHF_COMPRESSED = 0x800
 _SHN_UNDEF = 0
 _SHN_LORESERVE = 0xFF00
 _FUNC_TYPES = (2, 10)  # STT_FUNC, STT_GNU_IFUNC
@@ -49,6 +51,13 @@ MAX_SECTIONS = 4096
 MAX_SEGMENTS = 1024
 MAX_SYMBOL_TABLE_BYTES = 256 << 20
 MAX_NOTE_BYTES = 64 << 10
+MAX_SECTION_NAMES_BYTES = 1 << 20
+#: A debuglink is a file name (at most NAME_MAX) and a CRC.
+MAX_DEBUGLINK_BYTES = 256 + 8
+# Estimated bytes per table entry: a start in the array, a list slot, and a
+# str object's header (CPython, compact ASCII) before its characters.
+_ENTRY_BYTES = 8 + 8
+_STR_HEADER_BYTES = 49
 
 # Whatever a malformed file makes pyelftools (or our own decoding) throw.
 # OSError is deliberately absent: an unreadable file is a different failure.
@@ -88,24 +97,36 @@ class LoadSegment:
         return self.offset <= offset < self.offset + self.filesz
 
 
+@dataclass(frozen=True, slots=True)
+class DebugLink:
+    """The ``.gnu_debuglink`` of a stripped object: its debug file's name and
+    the CRC-32 of that file's contents."""
+
+    name: str
+    crc: int
+
+
 @dataclass(slots=True)
 class _Sym:
     value: int
     size: int
     shndx: int
     name: str
-    rank: tuple[int, int, int, int, int, int]
+    rank: tuple[int, int, int, int, int, int, int]
 
 
 class ElfSymbols:
     """Function symbols of one ELF object, addressed by ELF virtual address."""
 
     __slots__ = (
+        "_memory",
         "_names",
         "_starts",
         "build_id",
+        "debuglink",
         "elf_class",
         "elf_type",
+        "has_symtab",
         "machine",
         "segments",
         "symbol_count",
@@ -121,8 +142,13 @@ class ElfSymbols:
         segments: tuple[LoadSegment, ...],
         starts: array[int],
         names: list[str | None],
+        has_symtab: bool = False,
+        debuglink: DebugLink | None = None,
     ) -> None:
         self.build_id = build_id
+        #: Function symbols came from a ``.symtab``: not stripped, no debug file needed.
+        self.has_symtab = has_symtab
+        self.debuglink = debuglink
         self.elf_class = elf_class
         self.elf_type = elf_type
         self.machine = machine
@@ -130,6 +156,7 @@ class ElfSymbols:
         self._starts = starts
         self._names = names
         self.symbol_count = sum(1 for n in names if n is not None)
+        self._memory: int | None = None
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str]) -> ElfSymbols:
@@ -149,6 +176,14 @@ class ElfSymbols:
 
     def __len__(self) -> int:
         return self.symbol_count
+
+    def memory_bytes(self) -> int:
+        """Estimated memory of the symbol table (what a memory budget counts)."""
+        if self._memory is None:
+            chars = sum(len(n) for n in self._names if n is not None)
+            self._memory = (_ENTRY_BYTES * len(self._names) + chars
+                            + _STR_HEADER_BYTES * self.symbol_count)
+        return self._memory
 
     def file_offset_to_vaddr(self, offset: int) -> int | None:
         """ELF virtual address of a file offset, via the PT_LOAD that maps it.
@@ -281,6 +316,7 @@ def _parse_elf(elf: Any, file_size: int) -> ElfSymbols:
             if sec.header["sh_type"] == wanted:
                 syms.extend(_read_symtab(sections, sec, file_size, elf64, endian, thumb,
                                          source))
+    has_symtab = any(s.rank[0] == 0 for s in syms)
 
     starts, names = _build_table(syms, section_bounds, segments)
     return ElfSymbols(
@@ -291,7 +327,40 @@ def _parse_elf(elf: Any, file_size: int) -> ElfSymbols:
         segments=segments,
         starts=starts,
         names=names,
+        has_symtab=has_symtab,
+        debuglink=_debuglink(elf, sections, file_size, endian),
     )
+
+
+def _debuglink(elf: Any, sections: list[_Section], file_size: int,
+               endian: str) -> DebugLink | None:
+    """The ``.gnu_debuglink`` section: a NUL-terminated file name, padded to
+    four bytes, then the CRC-32 of the debug file. None if absent or malformed."""
+    shstrndx = elf["e_shstrndx"]
+    if not 0 < shstrndx < len(sections):
+        return None
+    names_sec = sections[shstrndx]
+    h = names_sec.header
+    if (h["sh_type"] != "SHT_STRTAB" or h["sh_size"] > MAX_SECTION_NAMES_BYTES
+            or h["sh_offset"] + h["sh_size"] > file_size):
+        return None
+    section_names = names_sec.data()
+    for sec in sections:
+        h = sec.header
+        start = h["sh_name"]
+        if section_names[start:start + 15] != b".gnu_debuglink\0":
+            continue
+        if (h["sh_type"] == "SHT_NOBITS" or h["sh_size"] > MAX_DEBUGLINK_BYTES
+                or h["sh_offset"] + h["sh_size"] > file_size):
+            return None
+        data = sec.data()
+        end = data.find(b"\0")
+        crc_at = (end + 4) & ~3
+        if end <= 0 or crc_at + 4 > len(data):
+            return None
+        (crc,) = struct.unpack_from(endian + "I", data, crc_at)
+        return DebugLink(data[:end].decode("utf-8", "surrogateescape"), crc)
+    return None
 
 
 def _section_bytes(sec: _Section, file_size: int) -> bytes:
@@ -316,7 +385,7 @@ def _read_symtab(
     h = sec.header
     entsize = h["sh_entsize"]
     layout = struct.Struct(endian + ("IBBHQQ" if elf64 else "IIIBBH"))
-    if entsize < layout.size or h["sh_size"] == 0:
+    if entsize < layout.size or h["sh_size"] == 0 or h["sh_flags"] & _SHF_COMPRESSED:
         return []
     if h["sh_link"] >= len(sections):
         return []
@@ -349,6 +418,9 @@ def _read_symtab(
         rank = (
             source,
             0 if size else 1,
+            # A symbol-versioned alias (__libc_start_main@@GLIBC_2.34) names
+            # the same code as its plain name, which perf shows.
+            1 if "@" in name else 0,
             1 if bind == _STB_WEAK else 0,
             1 if bind == _STB_LOCAL else 0,
             len(name) - len(name.lstrip("_")),

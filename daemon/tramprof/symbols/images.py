@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tramprof.model import ProcessGone, SymbolizationError
+from tramprof.model import FrameSource, MappedFile, ProcessGone, SymbolizationError
 from tramprof.procfs.events import ProcessEvent
 from tramprof.procfs.identity import ProcessIdentity, boottime_ns_to_ticks
+from tramprof.procfs.maps import Mapping
 from tramprof.procfs.metadata import ProcessMetadata, read_metadata
 from tramprof.procfs.table import ProcessTable
+from tramprof.symbols.debuginfo import DebugInfo, DebugTable
+from tramprof.symbols.demangle import Demangler
 from tramprof.symbols.elf import ElfCache
 from tramprof.symbols.jit import GAUGES, JitLimits, JitSymbols
 from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
@@ -44,6 +48,10 @@ class ProcessImage:
     symbolizer: ProcessSymbolizer | None
     jit: JitSymbols | None = None
     names: dict[int, str] = field(default_factory=dict)
+    # Where frames' code is (see ``locate``): one object per address, shared
+    # by every stored sample that has it.
+    sources: dict[int, FrameSource] = field(default_factory=dict)
+    mapped_files: dict[Mapping, MappedFile] = field(default_factory=dict)
 
     def resolve(self, addr: int) -> str:
         name = self.names.get(addr)
@@ -58,6 +66,40 @@ class ProcessImage:
                 self.names.clear()
             self.names[addr] = name
         return name
+
+    def locate(self, addr: int) -> FrameSource | None:
+        """Where the code at ``addr`` is: its mapping (file, offsets, build id)
+        and, for JIT code with jitdump debug info, its source file and line.
+        Call after ``resolve`` (which loads the mapped object). A jitdump's
+        (file, line) is looked up every time (JIT code moves); the rest is
+        cached per address."""
+        source = self.sources.get(addr)
+        if source is not None and source.mapping is not None:
+            return source
+        if self.symbolizer is None:
+            return None
+        mapping = self.symbolizer.mapping_for(addr)
+        if mapping is None:
+            return None
+        if mapping.is_anonymous:
+            debug = self.jit.jitdump.debug_info(addr) if self.jit is not None else None
+            if debug is not None:
+                return FrameSource(addr, None, debug[0], debug[1])
+            if source is not None:
+                return source
+            source = FrameSource(addr)
+        else:
+            mapped = self.mapped_files.get(mapping)
+            if mapped is None:
+                mapped = self.mapped_files[mapping] = MappedFile(
+                    mapping.display_path, mapping.start, mapping.end, mapping.offset,
+                    self.symbolizer.build_id_of(mapping))
+            source = FrameSource(addr, mapped)
+        if len(self.sources) >= MAX_CACHED_ADDRESSES:
+            self.sources.clear()
+            self.mapped_files.clear()
+        self.sources[addr] = source
+        return source
 
 
 @dataclass
@@ -88,9 +130,11 @@ class ProcessState:
     images: dict[int, ProcessImage] = field(default_factory=dict)
 
 
-def evict_to_budget(readers: list[JitSymbols], budget: int) -> tuple[int, int]:
-    """Evict the indexes of the least recently sampled processes until the
-    estimated total is within ``budget`` bytes: (total after, evictions)."""
+def evict_to_budget(readers: Sequence[JitSymbols | DebugTable],
+                    budget: int) -> tuple[int, int]:
+    """Evict the perf map / jitdump indexes of processes and the debug file
+    tables, least recently sampled first, until the estimated total is
+    within ``budget`` bytes: (total after, evictions)."""
     total = sum(jit.memory_bytes() for jit in readers)
     evicted = 0
     for jit in sorted(readers, key=lambda j: j.note_use()):
@@ -99,9 +143,10 @@ def evict_to_budget(readers: list[JitSymbols], budget: int) -> tuple[int, int]:
         size = jit.memory_bytes()
         if size == 0:
             continue
-        log.warning("symbol memory budget (%d bytes) used up: dropping the perf map / jitdump "
-                    "index of pid %d (%d bytes), the least recently sampled", budget, jit.pid,
-                    size)
+        what = (f"the perf map / jitdump index of pid {jit.pid}"
+                if isinstance(jit, JitSymbols) else str(jit))
+        log.warning("symbol memory budget (%d bytes) used up: dropping %s (%d bytes), the least "
+                    "recently sampled", budget, what, size)
         jit.evict()
         evicted += 1
         total -= size
@@ -113,11 +158,14 @@ class ProcessRegistry:
 
     def __init__(self, proc_root: str = "/proc", elf_cache: ElfCache | None = None,
                  failures: Counter[str] | None = None,
-                 jit_limits: JitLimits | None = None) -> None:
+                 jit_limits: JitLimits | None = None,
+                 debug_info: DebugInfo | None = None) -> None:
         self.proc_root = proc_root
         self.elf_cache = elf_cache or ElfCache()
         self.failures: Counter[str] = failures if failures is not None else Counter()
         self.symbolization_stats = SymbolizationStats()
+        self.debug_info = debug_info or DebugInfo()
+        self.demangler = Demangler(on_failure=self.symbolization_stats.incr)
         self.jit_limits = jit_limits or JitLimits()
         self._table: ProcessTable[ProcessState] = ProcessTable(proc_root,
                                                                on_drop=self._retire)
@@ -193,7 +241,8 @@ class ProcessRegistry:
         try:
             symbolizer: ProcessSymbolizer | None = ProcessSymbolizer(
                 pid, self.elf_cache, self.symbolization_stats, proc_root=self.proc_root,
-                anon_resolver=jit.resolve if jit else None)
+                anon_resolver=jit.resolve if jit else None, debug_info=self.debug_info,
+                demangler=self.demangler)
         except SymbolizationError as exc:
             self.failures["process_gone"] += 1
             log.debug("no symbolizer for pid %d: %s", pid, exc)
@@ -222,9 +271,11 @@ class ProcessRegistry:
         return out
 
     def enforce_memory_budget(self, budget: int) -> int:
-        """Keep the JIT indexes of live processes within ``budget`` bytes
-        (see ``evict_to_budget``); returns the estimated total."""
-        total, evicted = evict_to_budget(self._live_jit(), budget)
+        """Keep the JIT indexes of live processes and the debug file tables
+        within ``budget`` bytes (see ``evict_to_budget``); returns the
+        estimated total."""
+        readers: list[JitSymbols | DebugTable] = [*self._live_jit(), *self.debug_info.tables()]
+        total, evicted = evict_to_budget(readers, budget)
         self.jit_evictions += evicted
         self.jit_memory_bytes = total
         return total

@@ -1,11 +1,13 @@
 """User-space address -> frame name for one process.
 
-Every address gets a printable name: the function when we can find it,
-otherwise the most useful fallback (``libfoo.so+0x1a2b`` with the ELF
-virtual address, so ``addr2line -e libfoo.so 0x1a2b`` works; ``[vdso]+0x..``;
-``[anon]``; ``[unknown]``). Processes exit at any moment on a real host, so
-nothing here raises for that: the frame degrades and the reason is counted
-in a ``SymbolizationStats`` the caller owns and exports.
+Every address gets a printable name: the function when we can find it
+(from the object's symbol tables, or from its separate debug file when the
+object is stripped; demangled), otherwise the most useful fallback
+(``libfoo.so+0x1a2b`` with the ELF virtual address, so ``addr2line -e
+libfoo.so 0x1a2b`` works; ``[vdso]+0x..``; ``[anon]``; ``[unknown]``).
+Processes exit at any moment on a real host, so nothing here raises for
+that: the frame degrades and the reason is counted in a
+``SymbolizationStats`` the caller owns and exports.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from tramprof.model import ProcessGone, SymbolizationError
 from tramprof.procfs.identity import read_vdso_address
 from tramprof.procfs.maps import Mapping, process_exited, read_maps
 from tramprof.procfs.memory import read_memory
+from tramprof.symbols.debuginfo import DebugInfo, DebugTable
+from tramprof.symbols.demangle import Demangler
 from tramprof.symbols.elf import ElfCache, ElfSymbols
 from tramprof.symbols.errors import ElfError
-from tramprof.symbols.safeopen import Refusal, open_mapped_object
+from tramprof.symbols.safeopen import open_mapping
 
 AnonResolver = Callable[[Mapping, int], str | None]
 
@@ -56,7 +60,9 @@ class SymbolizationStats:
     """Counts of degraded frames by reason; shared by many symbolizers.
 
     Each counter counts frames (``resolve`` calls) that did not get a
-    function name, so the numbers read as "samples we could not attribute".
+    function name, so the numbers read as "samples we could not attribute";
+    except ``debug_file_<refusal>`` (a separate debug file refused, once per
+    lookup) and ``demangle_*`` (a name left mangled, once per name).
     """
 
     def __init__(self) -> None:
@@ -89,9 +95,10 @@ class ProcessSymbolizer:
     The maps are read on first use and cached; an address in no known
     mapping triggers a re-read (at most once per ``maps_refresh_interval``
     seconds) so libraries dlopen()ed and JIT regions created later are found.
-    Parsed ELF objects live in the shared ``ElfCache``; this object only
-    remembers which mapping uses which. Create a new symbolizer when the pid
-    exec()s, since the old mappings then no longer apply.
+    Parsed ELF objects live in the shared ``ElfCache`` and debug files in the
+    shared ``DebugInfo``; this object only remembers which mapping uses which.
+    Create a new symbolizer when the pid exec()s, since the old mappings then
+    no longer apply.
     """
 
     def __init__(
@@ -103,6 +110,8 @@ class ProcessSymbolizer:
         proc_root: str = "/proc",
         anon_resolver: AnonResolver | None = None,
         maps_refresh_interval: float = 1.0,
+        debug_info: DebugInfo | None = None,
+        demangler: Demangler | None = None,
     ) -> None:
         self.pid = pid
         self.stats = stats if stats is not None else SymbolizationStats()
@@ -118,6 +127,10 @@ class ProcessSymbolizer:
         self.maps_generation = 0
         self._maps_error: FailureReason | None = None
         self._objects: dict[Mapping, _ObjectState] = {}
+        self._debug_info = debug_info
+        self._demangler = demangler
+        # Debug table of each stripped object's mapping (None: none found).
+        self._debug_tables: dict[Mapping, DebugTable | None] = {}
         # Files opened by preload() and not parsed yet.
         self._held: dict[Mapping, BinaryIO] = {}
 
@@ -150,6 +163,7 @@ class ProcessSymbolizer:
         self._starts = [m.start for m in mappings]
         live = set(mappings)
         self._objects = {m: o for m, o in self._objects.items() if m in live}
+        self._debug_tables = {m: t for m, t in self._debug_tables.items() if m in live}
 
     def preload(self) -> None:
         """Read the maps and open every mapped executable now, while the
@@ -234,11 +248,36 @@ class ProcessSymbolizer:
         if vaddr is None:
             self.stats.incr(FailureReason.NO_SYMBOL)
             return f"{m.basename}+0x{file_offset:x}"
-        name = obj.resolve_vaddr(vaddr)
+        name = None
+        debug = self._debug_symbols(m, obj)
+        if debug is not None:
+            name = debug.resolve_vaddr(vaddr)
+        if name is None:
+            name = obj.resolve_vaddr(vaddr)
         if name is None:
             self.stats.incr(FailureReason.NO_SYMBOL)
             return f"{m.basename}+0x{vaddr:x}"
-        return name
+        return self._demangler.demangle(name) if self._demangler is not None else name
+
+    def _debug_symbols(self, m: Mapping, obj: ElfSymbols) -> ElfSymbols | None:
+        """The separate debug file's symbols of a stripped object, looked for
+        on first use (as the process sees its files, then the host's)."""
+        if self._debug_info is None or obj.has_symtab:
+            return None
+        if m not in self._debug_tables:
+            path = None if m.is_deleted or m.is_memfd else m.path
+            lookup = self._debug_info.find(obj, path, f"{self._proc}/root")
+            for reason in lookup.refused:
+                self.stats.incr(f"debug_file_{reason}")
+            self._debug_tables[m] = lookup.table
+        table = self._debug_tables[m]
+        return table.symbols() if table is not None else None
+
+    def build_id_of(self, m: Mapping) -> str:
+        """Hex GNU build id of the ELF object behind ``m`` once it was parsed
+        (by ``resolve``), else "" (for profile formats that name binaries)."""
+        obj = self._objects.get(m)
+        return (obj.build_id or "") if isinstance(obj, ElfSymbols) else ""
 
     def _load_object(self, m: Mapping) -> _ObjectState:
         """Parse the mapped file, from the descriptor preload() held or freshly opened."""
@@ -256,26 +295,10 @@ class ProcessSymbolizer:
                 return FailureReason.FILE_UNREADABLE
 
     def _open_object(self, m: Mapping) -> BinaryIO | FailureReason:
-        """Open the mapped file the way the process sees it.
-
-        ``/proc/PID/root`` + path gives the container's view of the file; the
-        inode check rejects a file replaced since it was mapped. Deleted
-        files, memfds and mismatches go through ``map_files``, which always
-        opens the object that is actually mapped (needs CAP_SYS_ADMIN).
-        """
-        candidates: list[tuple[str, str | None]] = []
-        if not m.is_deleted and not m.is_memfd:
-            candidates.append((m.path, f"{self._proc}/root"))
-        candidates.append((f"{self._proc}/map_files/{m.start:x}-{m.end:x}", None))
-        for path, root in candidates:
-            opened = open_mapped_object(path, root=root)
-            if isinstance(opened, Refusal):
-                continue
-            f, st = opened
-            if root is not None and m.inode and st.st_ino != m.inode:
-                f.close()
-                continue
-            return f
+        """Open the mapped file the way the process sees it (``open_mapping``)."""
+        opened = open_mapping(self._proc, m)
+        if opened is not None:
+            return opened
         if process_exited(self.pid, self._proc_root):
             return FailureReason.PROCESS_GONE
         return FailureReason.FILE_UNREADABLE
@@ -289,7 +312,7 @@ class ProcessSymbolizer:
             vaddr = obj.file_offset_to_vaddr(offset)
             name = obj.resolve_vaddr(vaddr) if vaddr is not None else None
             if name is not None:
-                return name
+                return self._demangler.demangle(name) if self._demangler is not None else name
             self.stats.incr(FailureReason.NO_SYMBOL)
         else:
             self.stats.incr(obj)
