@@ -1,13 +1,18 @@
-"""/metrics latency and process RSS at 1k and 10k series.
+"""/metrics latency, response size and process RSS at 1k and 10k series,
+plain and gzipped.
 
 Each size runs in its own process (so RSS is that size's alone): a series
 tracker fed with synthetic stacks until it holds the wanted number of series,
-served by the daemon's HTTP server on loopback, scraped 30 times.
+served by the daemon's HTTP server on loopback, scraped 30 times without and
+30 times with ``Accept-Encoding: gzip`` (alternating, as Prometheus would
+send it). At 10k series it also times gzip alone at levels 1, 6 and 9 on
+that exposition (the server's level is ``METRICS_GZIP_LEVEL``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import subprocess
 import sys
@@ -16,9 +21,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 from tramprof.export.collector import Consistent, ProfilerCollector
-from tramprof.export.http import MetricsServer
+from tramprof.export.http import METRICS_GZIP_LEVEL, MetricsServer
 from tramprof.export.series import SeriesConfig, SeriesTracker
 from tramprof.model import Stack
 from tramprof.pipeline.stats import ProfilerStats
@@ -47,20 +53,34 @@ def child(series: int) -> None:
     server = MetricsServer("127.0.0.1:0", registry, lambda: (True, "ok"))
     server.start()
     url = f"http://127.0.0.1:{server.address[1]}/metrics"
-    times = []
-    size = 0
+    times: dict[str, list[float]] = {"plain": [], "gzip": []}
+    sizes = {}
     for _ in range(30):
-        began = time.perf_counter()
-        with urllib.request.urlopen(url) as r:
-            size = len(r.read())
-        times.append((time.perf_counter() - began) * 1000)
+        for kind, headers in (("plain", {}), ("gzip", {"Accept-Encoding": "gzip"})):
+            request = urllib.request.Request(url, headers=headers)
+            began = time.perf_counter()
+            with urllib.request.urlopen(request) as r:
+                sizes[kind] = len(r.read())
+                assert (r.headers.get("Content-Encoding") == "gzip") == (kind == "gzip")
+            times[kind].append((time.perf_counter() - began) * 1000)
     server.close()
     status = Path("/proc/self/status").read_text().splitlines()
     rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
-    times.sort()
-    print(json.dumps({"series": tracker.series_count(), "median_ms": times[len(times) // 2],
-                      "p95_ms": times[int(len(times) * 0.95)], "bytes": size,
-                      "rss_mib": rss}))
+    result = {"series": tracker.series_count(), "rss_mib": rss, "gzip_levels": {}}
+    for kind, samples in times.items():
+        samples.sort()
+        result[kind] = {"median_ms": samples[len(samples) // 2],
+                        "p95_ms": samples[int(len(samples) * 0.95)], "bytes": sizes[kind]}
+    if series >= 10_000:
+        body = generate_latest(registry)
+        for level in (1, 6, 9):
+            spent = []
+            for _ in range(10):
+                began = time.perf_counter()
+                size = len(gzip.compress(body, compresslevel=level, mtime=0))
+                spent.append((time.perf_counter() - began) * 1000)
+            result["gzip_levels"][level] = {"ms": sorted(spent)[5], "bytes": size}
+    print(json.dumps(result))
 
 
 def main() -> None:
@@ -70,13 +90,21 @@ def main() -> None:
     if args.child:
         child(args.child)
         return
-    print(f"{'series':>8} {'median ms':>10} {'p95 ms':>8} {'KiB':>7} {'RSS MiB':>8}")
+    print(f"{'series':>8} {'encoding':>8} {'median ms':>10} {'p95 ms':>8} {'KiB':>7} "
+          f"{'RSS MiB':>8}")
+    levels = {}
     for series in (1000, 10000):
         out = subprocess.run([sys.executable, __file__, "--child", str(series)],
                              capture_output=True, text=True, check=True).stdout
         r = json.loads(out)
-        print(f"{r['series']:>8} {r['median_ms']:>10.1f} {r['p95_ms']:>8.1f} "
-              f"{r['bytes'] / 1024:>7.0f} {r['rss_mib']:>8.1f}")
+        for kind in ("plain", "gzip"):
+            k = r[kind]
+            print(f"{r['series']:>8} {kind:>8} {k['median_ms']:>10.1f} {k['p95_ms']:>8.1f} "
+                  f"{k['bytes'] / 1024:>7.0f} {r['rss_mib']:>8.1f}")
+        levels = r["gzip_levels"] or levels
+    print(f"\ngzip alone on the 10k-series exposition (server level {METRICS_GZIP_LEVEL}):")
+    for level, g in levels.items():
+        print(f"  level {level}: {g['ms']:6.1f} ms  {g['bytes'] / 1024:6.0f} KiB")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ nothing of tramprof's (the layers contract in ``pyproject.toml`` keeps it so).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # Marker frames. Cut or lost parts of a stack are shown as one bracketed
 # frame, never as made-up names; every writer (metrics, folded, pprof, flame
@@ -58,6 +60,29 @@ class RawSample:
     count: int
 
 
+class MappedFile(NamedTuple):
+    """The mapped file (or kernel image) a frame's code lies in: what pprof's
+    Mapping holds, so tools can find the binary again (by path or build id)
+    and turn an address into a file offset."""
+
+    path: str  # as the process sees it; bracketed for [kernel.kallsyms], [vdso]
+    start: int
+    end: int  # exclusive
+    file_offset: int
+    build_id: str = ""  # hex GNU build id, "" when unknown
+
+
+class FrameSource(NamedTuple):
+    """Where one frame's code is: its lookup address in the process (a return
+    address minus one for callers, as the name was found), its mapping, and
+    its source file and line when known (e.g. from a jitdump's debug info)."""
+
+    address: int
+    mapping: MappedFile | None = None
+    file: str = ""
+    line: int = 0
+
+
 @dataclass(frozen=True)
 class Stack:
     """A symbolized, aggregated stack of one process."""
@@ -67,6 +92,9 @@ class Stack:
     comm: str  # the sampled thread's name
     frames: tuple[str, ...]  # root first
     count: int
+    # Parallel to ``frames`` (None for marker frames), or empty when not
+    # known. Only formats that keep addresses (pprof) read it.
+    sources: tuple[FrameSource | None, ...] = field(default=(), compare=False)
 
     def folded_key(self) -> tuple[str, ...]:
         return (self.comm, *self.frames)
@@ -82,6 +110,10 @@ class Profile:
     start_ns: int
     duration_ns: int
     frequency_hz: int
+    # Extra labels per pid for formats that carry them (pprof): container_id,
+    # pod_uid. Only non-empty values.
+    process_labels: Mapping[int, Mapping[str, str]] = field(default_factory=dict,
+                                                              compare=False)
 
     @property
     def period_ns(self) -> int:
@@ -93,19 +125,26 @@ class Profile:
 
     def only_pids(self, pids: set[int]) -> Profile:
         return Profile(tuple(s for s in self.stacks if s.pid in pids), self.start_ns,
-                       self.duration_ns, self.frequency_hz)
+                       self.duration_ns, self.frequency_hz,
+                       {pid: labels for pid, labels in self.process_labels.items()
+                        if pid in pids})
 
 
 def merge(profiles: list[Profile], frequency_hz: int) -> Profile:
-    """One profile covering all of ``profiles`` with identical stacks summed."""
+    """One profile covering all of ``profiles`` with identical stacks (same
+    frames at the same addresses) summed."""
     if not profiles:
         return Profile((), 0, 0, frequency_hz)
-    counts: Counter[tuple[int, str, str, tuple[str, ...]]] = Counter()
+    counts: Counter[tuple[int, str, str, tuple[str, ...],
+                          tuple[FrameSource | None, ...]]] = Counter()
+    labels: dict[int, Mapping[str, str]] = {}
     for profile in profiles:
         for s in profile.stacks:
-            counts[(s.pid, s.process, s.comm, s.frames)] += s.count
+            counts[(s.pid, s.process, s.comm, s.frames, s.sources)] += s.count
+        labels.update(profile.process_labels)
     start = min(p.start_ns for p in profiles)
     end = max(p.start_ns + p.duration_ns for p in profiles)
-    stacks = tuple(Stack(pid=pid, process=process, comm=comm, frames=frames, count=count)
-                   for (pid, process, comm, frames), count in counts.items())
-    return Profile(stacks, start, end - start, frequency_hz)
+    stacks = tuple(Stack(pid=pid, process=process, comm=comm, frames=frames, count=count,
+                         sources=sources)
+                   for (pid, process, comm, frames, sources), count in counts.items())
+    return Profile(stacks, start, end - start, frequency_hz, labels)

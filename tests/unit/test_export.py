@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import gzip
+import importlib.metadata
+import os
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import CollectorRegistry
+from prometheus_client.samples import Sample
 from tramprof.config import parse_listen
 from tramprof.export import families
-from tramprof.export.collector import ProfilerCollector
+from tramprof.export.collector import (
+    BuildInfoCollector,
+    ProfilerCollector,
+    daemon_registry,
+)
 from tramprof.export.http import MetricsServer
 from tramprof.pipeline.stats import ProcessSamples, ProfilerStats
 from tramprof.sampler.layout import Counter as C
@@ -60,15 +72,58 @@ def test_collector_values(registry):
     assert get("tramprof_bpf_runs_total") == 1000
 
 
-def test_every_declared_family_is_exported(registry):
+def _daemon_registry():
     from tramprof.export.series import SeriesTracker
     from tramprof.model import Stack
 
     tracker = SeriesTracker()
     tracker.add([Stack(1, "app", "app", ("main", "work"), 3)], now=0.0)
-    registry.register(tracker)
-    exported = {m.name for m in registry.collect()}
-    assert exported == {f.name for f in families.ALL}
+    return daemon_registry([ProfilerCollector(stats), tracker], threading.Lock())
+
+
+# prometheus-client's ProcessCollector on Linux: the daemon's own process.
+PROCESS_METRICS = {"process_virtual_memory_bytes", "process_resident_memory_bytes",
+                   "process_start_time_seconds", "process_cpu_seconds", "process_open_fds",
+                   "process_max_fds"}
+
+
+def test_every_declared_family_is_exported():
+    """The daemon's registry: every family of families.ALL, and besides them
+    only the standard process_* metrics of the daemon itself."""
+    exported = {m.name for m in _daemon_registry().collect()}
+    assert exported == {f.name for f in families.ALL} | PROCESS_METRICS
+
+
+def test_build_info_and_process_metrics():
+    import platform
+
+    import tramprof
+
+    registry = _daemon_registry()
+    labels = {"version": tramprof.__version__, "python_version": platform.python_version(),
+              "bcc_version": importlib.metadata.version("bcc")}
+    assert registry.get_sample_value("tramprof_build_info", labels) == 1
+    assert next(m for m in registry.collect() if m.name == "tramprof_build_info").samples \
+        == [Sample("tramprof_build_info", labels, 1)]
+    # This process's own numbers, as /proc says.
+    fields = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime"))
+    assert registry.get_sample_value("process_start_time_seconds") == pytest.approx(
+        boot + int(fields[19]) / ticks)
+    cpu = registry.get_sample_value("process_cpu_seconds_total")
+    assert (int(fields[11]) + int(fields[12])) / ticks <= cpu <= time.process_time() + 0.05
+    # Both counts include the descriptor listdir itself holds.
+    assert registry.get_sample_value("process_open_fds") == len(os.listdir("/proc/self/fd"))
+
+
+def test_build_info_labels_are_fixed_by_the_constructor():
+    registry = CollectorRegistry()
+    registry.register(BuildInfoCollector({"version": "9.9", "python_version": "3.99.0",
+                                          "bcc_version": ""}))
+    assert registry.get_sample_value("tramprof_build_info", {
+        "version": "9.9", "python_version": "3.99.0", "bcc_version": ""}) == 1
 
 
 def test_readme_metric_table_matches_code():
@@ -210,3 +265,107 @@ def test_process_names_beyond_the_cap_are_counted_in_other():
     registry = CollectorRegistry()
     registry.register(ProfilerCollector(lambda: ProfilerStats(samples_by_process=samples)))
     assert registry.get_sample_value("tramprof_samples_total", {"process": "steady"}) == 5
+
+
+def _get(url: str, **headers: str) -> tuple[dict[str, str], bytes]:
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return dict(r.headers), r.read()
+
+
+def test_metrics_gzip_and_content_negotiation(registry):
+    """What prometheus-client's own exposition gives, gzipped when asked for."""
+    server = MetricsServer("127.0.0.1:0", registry, lambda: (True, "ok"))
+    server.start()
+    url = f"http://127.0.0.1:{server.address[1]}/metrics"
+    text, openmetrics = generate_latest(registry), generate_openmetrics(registry)
+    try:
+        headers, body = _get(url)
+        assert body == text and "Content-Encoding" not in headers
+        assert headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        for accept_encoding in ("gzip", "deflate, gzip;q=1.0, *;q=0.5", "GZIP"):
+            headers, body = _get(url, **{"Accept-Encoding": accept_encoding})
+            assert headers["Content-Encoding"] == "gzip", accept_encoding
+            assert int(headers["Content-Length"]) == len(body)
+            assert gzip.decompress(body) == text
+        headers, body = _get(url, **{"Accept-Encoding": "br, identity"})
+        assert body == text and "Content-Encoding" not in headers
+        # What Prometheus sends.
+        headers, body = _get(url, **{
+            "Accept-Encoding": "gzip",
+            "Accept": "application/openmetrics-text;version=1.0.0,application/openmetrics-"
+                      "text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"})
+        assert headers["Content-Type"].startswith("application/openmetrics-text")
+        assert gzip.decompress(body) == openmetrics
+        assert headers["Vary"] == "Accept, Accept-Encoding"
+    finally:
+        server.close()
+
+
+def test_metrics_name_selects_families():
+    server = MetricsServer("127.0.0.1:0", _daemon_registry(), lambda: (True, "ok"))
+    server.start()
+    base = f"http://127.0.0.1:{server.address[1]}/metrics"
+    try:
+        _, body = _get(base + "?name[]=tramprof_drains_total&name[]=tramprof_processes")
+        samples = [line for line in body.decode().splitlines() if not line.startswith("#")]
+        assert sorted(samples) == ["tramprof_drains_total 4.0", "tramprof_processes 2.0"]
+        _, body = _get(base + "?name[]=process_max_fds")
+        samples = [line for line in body.decode().splitlines() if not line.startswith("#")]
+        assert [line.split()[0] for line in samples] == ["process_max_fds"]
+    finally:
+        server.close()
+
+
+def test_a_scrape_sees_one_drain_never_half_of_one():
+    """Drains publish stats and stack series together under the lock; every
+    gzipped scrape taken while drains run adds up exactly."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from tramprof.export.series import SeriesTracker
+    from tramprof.model import Stack
+
+    lock = threading.Lock()
+    tracker = SeriesTracker()
+    published = [ProfilerStats()]
+    registry = daemon_registry([ProfilerCollector(lambda: published[0]), tracker], lock)
+    server = MetricsServer("127.0.0.1:0", registry, lambda: (True, "ok"))
+    server.start()
+    stop = threading.Event()
+    drains = [0]
+
+    def drain_loop() -> None:
+        while not stop.is_set():
+            stacks = [Stack(1, "app", "app", ("main", f"f{drains[0] % 7}"), 3),
+                      Stack(1, "app", "app", ("main", "g"), 1)]
+            snapshot = ProfilerStats(samples_by_process=process_samples(
+                {"app": 4 * (drains[0] + 1)}), drains=drains[0] + 1)
+            with lock:
+                # Slow on purpose: a scrape that did not wait would see half.
+                tracker.add(stacks, now=float(drains[0]))
+                time.sleep(0.001)
+                published[0] = snapshot
+            drains[0] += 1
+
+    writer = threading.Thread(target=drain_loop)
+    writer.start()
+    seen = set()
+    try:
+        url = f"http://127.0.0.1:{server.address[1]}/metrics"
+        for _ in range(60):
+            _, body = _get(url, **{"Accept-Encoding": "gzip"})
+            values = {}
+            stack_sum = 0.0
+            for family in text_string_to_metric_families(gzip.decompress(body).decode()):
+                for sample in family.samples:
+                    if sample.name == "tramprof_stack_samples_total":
+                        stack_sum += sample.value
+                    elif sample.labels in ({}, {"process": "app"}):
+                        values[sample.name] = sample.value
+            drain = values["tramprof_drains_total"]
+            seen.add(drain)
+            assert stack_sum == values.get("tramprof_samples_total", 0) == 4 * drain
+    finally:
+        stop.set()
+        writer.join()
+        server.close()
+    assert len(seen) > 5, "scrapes did not overlap with drains"

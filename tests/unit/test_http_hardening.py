@@ -168,7 +168,8 @@ def test_oversized_request_head_is_refused(serve):
 def test_limits_are_validated():
     for bad in ({"request_timeout": 0}, {"max_connections": 0},
                 {"max_profile_requests": 0}, {"max_connections": 2, "max_profile_requests": 3},
-                {"allowed_hosts": ["bad host:x"]}):
+                {"allowed_hosts": ["bad host:x"]}, {"max_record_seconds": 0.5},
+                {"max_record_seconds": 86401}):
         with pytest.raises(ValueError):
             MetricsServer("127.0.0.1:0", CollectorRegistry(), lambda: (True, "ok"),
                           **bad)  # type: ignore[arg-type]
@@ -185,7 +186,7 @@ def test_loopback_listener_rejects_foreign_host(serve):
     for host in ("evil.example", f"evil.example:{port}", f"localhost.evil.example:{port}",
                  f"127.0.0.1.nip.io:{port}", f"0.0.0.0:{port}", f"10.1.2.3:{port}",
                  f"[127.0.0.1]:{port}", f"[::1:{port}", f"localhost:{port}/x", ""):
-        for path in ("/healthz", "/metrics", "/profile", "/"):
+        for path in ("/healthz", "/metrics", "/profile", "/", "/debug/pprof/profile"):
             reply = get(server, path, host=host)
             assert reply.status == 421, (host, path)
             assert b"Host" in reply.body

@@ -1,13 +1,18 @@
-"""Prometheus collector: fresh metric families from a stats snapshot per scrape."""
+"""Prometheus collectors: fresh metric families from a stats snapshot per
+scrape, the build info, and the daemon's registry that holds them."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
 
+import tramprof
 from tramprof.export import families as fam
 from tramprof.pipeline.stats import ProfilerStats
 from tramprof.sampler.layout import Counter as BpfCounter
@@ -114,10 +119,15 @@ class ProfilerCollector(Collector):
         evictions = _family(fam.SYMBOL_EVICTIONS)
         evictions.add_metric([], stats.symbol_evictions)
         yield evictions
+        yield from _table_families(stats, bpf)
         process_errors = _family(fam.PROCESS_ERRORS)
         for stage, count in sorted(stats.process_errors.items()):
             process_errors.add_metric([stage], count)
         yield process_errors
+        injections = _family(fam.INJECTIONS)
+        for result, count in sorted(stats.injections.items()):
+            injections.add_metric([result], count)
+        yield injections
         for f, counter in ((fam.PYTHON_FRAMES_TRUNCATED, BpfCounter.CHAIN_TRUNCATED),
                            (fam.CHAIN_INVALID, BpfCounter.CHAIN_INVALID),
                            (fam.SCAN_STALE, BpfCounter.SCAN_STALE),
@@ -180,3 +190,61 @@ class Consistent(Collector):
         with self._lock:
             metrics = [m for c in self._collectors for m in c.collect()]
         yield from metrics
+
+
+def _installed_version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def build_labels() -> dict[str, str]:
+    """The labels of ``tramprof_build_info`` for this process."""
+    return {"version": tramprof.__version__, "python_version": platform.python_version(),
+            "bcc_version": _installed_version("bcc")}
+
+
+class BuildInfoCollector(Collector):
+    """``tramprof_build_info{version, python_version, bcc_version} 1``."""
+
+    def __init__(self, labels: Mapping[str, str]) -> None:
+        self._values = [labels[name] for name in fam.BUILD_INFO.labels]
+
+    def collect(self) -> Iterator[Metric]:
+        family = _family(fam.BUILD_INFO)
+        family.add_metric(self._values, 1)
+        yield family
+
+
+def daemon_registry(consistent: Iterable[Collector], lock: threading.Lock,
+                    proc_root: str = "/proc") -> CollectorRegistry:
+    """What ``/metrics`` of the daemon serves: ``consistent`` collected under
+    ``lock`` (the one a drain publishes under), the build info, and the
+    standard ``process_*`` metrics of the daemon itself."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(Consistent(list(consistent), lock))
+    registry.register(BuildInfoCollector(build_labels()))
+    ProcessCollector(proc=proc_root, registry=registry)
+    return registry
+
+
+def _table_families(stats: ProfilerStats, bpf: dict[BpfCounter, int]) -> Iterator[Metric]:
+    """Unwind tables: memory, contents, builds and where walks stopped."""
+    tables = stats.unwind_tables
+    for family, value in ((fam.UNWIND_TABLE_BYTES, tables.table_bytes),
+                          (fam.UNWIND_TABLE_OBJECTS, tables.objects_loaded),
+                          (fam.UNWIND_TABLE_ROWS, tables.rows),
+                          (fam.UNWIND_TABLE_EVICTIONS, tables.evictions),
+                          (fam.UNWIND_TABLE_BUILD_SECONDS, tables.build_seconds)):
+        metric = _family(family)
+        metric.add_metric([], value)
+        yield metric
+    builds = _family(fam.UNWIND_TABLE_BUILDS)
+    for result, count in sorted(tables.builds.items()):
+        builds.add_metric([result], count)
+    yield builds
+    stops = _family(fam.UNWIND_TABLE_STOPS)
+    stops.add_metric(["no_unwind_info"], bpf.get(BpfCounter.TABLE_STOP_NONE, 0))
+    stops.add_metric(["unsupported_rule"], bpf.get(BpfCounter.TABLE_STOP_UNSUPPORTED, 0))
+    yield stops

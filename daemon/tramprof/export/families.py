@@ -50,7 +50,10 @@ KERNEL_THREAD_SAMPLES = Family(
 SYMBOLIZATION_FAILURES = Family(
     "tramprof_symbolization_failures", "counter", ("reason",),
     "Frames that could not be named, by reason; they are shown as module+0xoffset or a "
-    "bracketed marker instead.")
+    "bracketed marker instead. Also, once per lookup, separate debug files refused "
+    "(debug_file_<reason>: symlink, not_regular, permission, io_error, outside, too_large, "
+    "build_id_mismatch, crc_mismatch, not_elf, malformed_elf), and, once per name, names left "
+    "mangled (demangle_too_long, demangle_timeout, demangle_unavailable).")
 PROCESSES = Family(
     "tramprof_processes", "gauge", (),
     "Processes with symbolization state held by the daemon.")
@@ -122,17 +125,20 @@ SERIES = Family(
 
 SYMBOL_MEMORY = Family(
     "tramprof_symbol_memory_bytes", "gauge", (),
-    "Estimated memory held by the perf map and jitdump indexes of all processes; kept "
-    "within symbol_memory_bytes by evicting the least recently sampled processes' indexes.")
+    "Estimated memory held by the perf map and jitdump indexes of all processes and by the "
+    "symbol tables of separate debug files; kept within symbol_memory_bytes by evicting the "
+    "least recently sampled indexes and tables.")
 SYMBOL_EVICTIONS = Family(
     "tramprof_symbol_evictions", "counter", (),
-    "Perf map / jitdump indexes dropped to stay within symbol_memory_bytes; that process's "
-    "JIT frames stay unnamed for ten minutes.")
+    "Perf map / jitdump indexes and debug file tables dropped to stay within "
+    "symbol_memory_bytes; that process's JIT frames stay unnamed (that object's frames keep "
+    "only its exported names) for ten minutes.")
 UNWIND_SAMPLES = Family(
     "tramprof_unwind_samples", "counter", ("mode",),
     "User stacks by unwinding mode: chain (through the trampoline runtime's frame "
     "chain), scan (return addresses of known stubs, e.g. CPython -X perf, found in the "
-    "stack) or fp (frame pointers only).")
+    "stack) or fp (frame pointers only); eh_frame counts the stacks whose native frames "
+    "used unwind tables, which may also be counted under chain or scan.")
 PYTHON_FRAMES_TRUNCATED = Family(
     "tramprof_python_stacks_truncated", "counter", (),
     "Samples with more trampoline (Python) frames than the chain walk keeps; the root "
@@ -170,11 +176,51 @@ UNWIND_REFUSALS = Family(
     "tramprof_scan_layouts_refused_total, map_full, arena_overlap, or perf_map_<refusal> "
     "(a FIFO, symlink or foreign file at its perf map path). They are unwound by frame "
     "pointers.")
+UNWIND_TABLE_BYTES = Family(
+    "tramprof_unwind_table_bytes", "gauge", (),
+    "Kernel memory held by unwind tables (row chunks and per-process mapping lists) for "
+    "native code without frame pointers; kept within unwind_table_bytes by evicting the "
+    "least recently sampled objects.")
+UNWIND_TABLE_OBJECTS = Family(
+    "tramprof_unwind_table_objects", "gauge", (),
+    "ELF objects (executables and libraries, shared by every process mapping them) whose "
+    "unwind table is loaded.")
+UNWIND_TABLE_ROWS = Family(
+    "tramprof_unwind_table_rows", "gauge", (),
+    "Unwind rows loaded, over all objects (8 bytes each, in 4,096-row chunks).")
+UNWIND_TABLE_EVICTIONS = Family(
+    "tramprof_unwind_table_evictions", "counter", (),
+    "Unwind tables unloaded to make room for another within unwind_table_bytes; the "
+    "object is walked by frame pointers until it is sampled again a minute later.")
+UNWIND_TABLE_BUILDS = Family(
+    "tramprof_unwind_table_builds", "counter", ("result",),
+    "Objects whose call-frame information was compiled, by result: loaded, "
+    "frame_pointers (the object keeps frame pointers; no table needed), no_usable_cfi, "
+    "malformed_object, budget or map_error.")
+UNWIND_TABLE_BUILD_SECONDS = Family(
+    "tramprof_unwind_table_build_seconds", "counter", (),
+    "Time spent compiling call-frame information into unwind rows (a worker thread, "
+    "off the drain path).")
+UNWIND_TABLE_STOPS = Family(
+    "tramprof_unwind_table_stops", "counter", ("reason",),
+    "Table walks that stopped before the outermost frame, by reason: no_unwind_info (no "
+    "FDE covers the address) or unsupported_rule (a DWARF rule the BPF walker cannot "
+    "follow). The stack ends with the [native frames not unwound] marker there.")
 PROCESS_ERRORS = Family(
     "tramprof_process_errors", "counter", ("stage",),
     "Failures while handling one process (reading its maps, binaries, memory or JIT "
     "files, or installing its unwinding state), by stage. The process is left alone for "
     "a minute; the daemon and every other process carry on.")
+
+INJECTIONS = Family(
+    "tramprof_injections", "counter", ("result",),
+    "Automatic injections of trampolines into running CPythons (inject_* settings), by "
+    "result: ok, a refusal (not_cpython, unsupported_version, remote_debug_disabled, "
+    "ptrace_denied, self, already_active, gone), timeout, failed or skipped (queue full).")
+BUILD_INFO = Family(
+    "tramprof_build_info", "gauge", ("version", "python_version", "bcc_version"),
+    "Always 1: the labels say which tramprof runs, on which Python and bcc (bcc_version "
+    "empty when not installed).")
 
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
@@ -183,8 +229,10 @@ ALL: tuple[Family, ...] = (
     DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
     JIT_RECORDS_DROPPED, JIT_BYTES_READ, UNWIND_SAMPLES, PYTHON_FRAMES_TRUNCATED,
     CHAIN_INVALID, SCAN_STALE, SCAN_WINDOWS_EXHAUSTED, SCAN_OVERFLOWS, SCAN_REFUSALS,
-    UNWIND_REFUSALS, PROCESS_ERRORS, SYMBOL_MEMORY, SYMBOL_EVICTIONS, STACK_SAMPLES,
-    FUNCTION_SAMPLES, DROPPED_SERIES, SERIES,
+    UNWIND_REFUSALS, UNWIND_TABLE_BYTES, UNWIND_TABLE_OBJECTS, UNWIND_TABLE_ROWS,
+    UNWIND_TABLE_EVICTIONS, UNWIND_TABLE_BUILDS, UNWIND_TABLE_BUILD_SECONDS, UNWIND_TABLE_STOPS,
+    PROCESS_ERRORS, INJECTIONS, SYMBOL_MEMORY, SYMBOL_EVICTIONS, STACK_SAMPLES,
+    FUNCTION_SAMPLES, DROPPED_SERIES, SERIES, BUILD_INFO,
 )
 
 

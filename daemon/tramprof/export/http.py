@@ -1,11 +1,14 @@
 """The daemon's HTTP endpoints (one job, over 400 lines: serving them, with the
 limits that keep one client from starving the others).
 
-``/metrics`` (Prometheus text or OpenMetrics, by the Accept header),
-``/profile?seconds=N&format=F&pid=P`` (the last N seconds of stacks),
-``/healthz``, and ``/`` (a flame graph of the last window). Loopback by
-default; for the network case optional TLS and HTTP basic auth (``/healthz``
-stays open for kubelet probes: it reveals nothing).
+``/metrics`` (Prometheus text or OpenMetrics by the Accept header, gzipped
+when the client accepts it, ``name[]`` to select families: prometheus-client's
+own exposition), ``/profile?seconds=N&format=F&pid=P`` (the last N seconds of
+stacks), ``/debug/pprof/profile?seconds=N&pid=P`` (the next N seconds, as
+Go's endpoint records them: see ``recorder``), ``/healthz``, and ``/`` (a
+flame graph of the last window). Loopback by default; for the network case
+optional TLS and HTTP basic auth (``/healthz`` stays open for kubelet probes:
+it reveals nothing).
 
 Any local process is a possible client, so the server bounds what one can
 take:
@@ -21,7 +24,9 @@ take:
   threads, and blocks /healthz for at most ``request_timeout``.
 - At most ``max_profile_requests`` profile renderings (``/profile`` and the
   flame-graph page ``/``) run at once; more get ``429`` with
-  ``Retry-After``, so clients cannot crowd out the sampling loop.
+  ``Retry-After``, so clients cannot crowd out the sampling loop. As many
+  recordings (``/debug/pprof/profile``) may wait at once, each for at most
+  ``max_record_seconds``; their rendering then waits for a rendering slot.
 - A loopback listener answers only requests whose ``Host`` names a loopback
   address or ``localhost`` (any port), and ``421`` to others: a web page in
   a browser on the node cannot read the profiles through DNS rebinding.
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import gzip
 import hmac
 import io
 import ipaddress
@@ -47,11 +53,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import CollectorRegistry
 
 from tramprof.config import parse_listen
 from tramprof.export.formats import FORMATS, IndexPage
+from tramprof.export.recorder import Recorder, RecordingFailed
 from tramprof.model import Profile
 
 log = logging.getLogger(__name__)
@@ -69,6 +76,20 @@ PROFILE_RETRY_AFTER = 2
 _WRITE_CHUNK = 256 * 1024
 # The paths that render a profile (CPU heavy): limited to max_profile_requests.
 PROFILE_PATHS = frozenset({"/profile", "/"})
+#: Go's path for a CPU profile of the next N seconds.
+RECORD_PATH = "/debug/pprof/profile"
+#: Go's default duration of a recording, and our longest (the request holds a
+#: connection and a thread that long).
+RECORD_SECONDS = 30.0
+MAX_RECORD_SECONDS = 300.0
+# Each recording makes the daemon drain twice: at least a second between its
+# two drains, as Go's whole seconds, so clients cannot make it drain nonstop.
+MIN_RECORD_SECONDS = 1.0
+# gzip level of /metrics. On the 10k-series exposition (1005 KiB) level 1
+# takes 9 ms for 68 KiB, level 6 30 ms for 53 KiB, level 9 (prometheus-client's
+# own choice) 160 ms for 48 KiB (benchmarks/bench_metrics.py): the daemon's
+# CPU matters more than 15 KiB per scrape.
+METRICS_GZIP_LEVEL = 1
 
 
 def _bare_response(status: str, text: str, *headers: str) -> bytes:
@@ -321,20 +342,26 @@ class MetricsServer:
                  request_timeout: float = REQUEST_TIMEOUT,
                  max_connections: int = MAX_CONNECTIONS,
                  max_profile_requests: int = MAX_PROFILE_REQUESTS,
-                 allowed_hosts: Iterable[str] = ()) -> None:
+                 allowed_hosts: Iterable[str] = (),
+                 recorder: Recorder | None = None,
+                 max_record_seconds: float = MAX_RECORD_SECONDS) -> None:
         if not 0 < request_timeout <= 3600:
             raise ValueError("request_timeout must be in (0, 3600] seconds")
         if not 1 <= max_connections <= 65536:
             raise ValueError("max_connections must be 1..65536")
         if not 1 <= max_profile_requests <= max_connections:
             raise ValueError("max_profile_requests must be 1..max_connections")
+        if not MIN_RECORD_SECONDS <= max_record_seconds <= 86400:
+            raise ValueError("max_record_seconds must be in [1, 86400]")
         host, port = parse_listen(listen)
         server_class = _Server6 if ":" in host else _Server
         self._server = server_class((host, port), BaseHTTPRequestHandler, max_connections)
         self.hosts = HostPolicy(str(self._server.server_address[0]), allowed_hosts)
         self._server.RequestHandlerClass = _make_handler(
             registry, healthy, profiles, index_seconds, security or HttpSecurity(),
-            self.hosts, request_timeout, threading.BoundedSemaphore(max_profile_requests))
+            self.hosts, request_timeout, threading.BoundedSemaphore(max_profile_requests),
+            _Recordings(recorder, threading.BoundedSemaphore(max_profile_requests),
+                        max_record_seconds))
         if security and security.tls_cert_file:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(security.tls_cert_file, security.tls_key_file)
@@ -363,12 +390,37 @@ class MetricsServer:
 
 
 _Response = tuple[int, bytes, str, dict[str, str]]
+_BUSY_PROFILES: _Response = (429, b"too many profile requests at once, try again\n",
+                             "text/plain", {"Retry-After": str(PROFILE_RETRY_AFTER)})
+
+
+@dataclass(frozen=True)
+class _Recordings:
+    recorder: Recorder | None
+    slots: threading.BoundedSemaphore
+    max_seconds: float
+
+
+def _metrics(registry: CollectorRegistry, query: dict[str, list[str]], accept: str,
+             accept_encoding: str) -> _Response:
+    """What prometheus-client's own exporters answer (``_bake_output``): the
+    format the Accept header asks for, only the ``name[]`` families when
+    given, gzipped when the client takes gzip (Prometheus does)."""
+    encoder, content_type = choose_encoder(accept)
+    source = registry.restricted_registry(query["name[]"]) if "name[]" in query else registry
+    body = encoder(source)
+    headers = {"Vary": "Accept, Accept-Encoding"}
+    if gzip_accepted(accept_encoding):
+        body = gzip.compress(body, compresslevel=METRICS_GZIP_LEVEL, mtime=0)
+        headers["Content-Encoding"] = "gzip"
+    return 200, body, content_type, headers
 
 
 def _make_handler(registry: CollectorRegistry, healthy: Callable[[], tuple[bool, str]],
                   profiles: ProfileSource | None, index_seconds: float,
                   security: HttpSecurity, hosts: HostPolicy, request_timeout: float,
-                  profile_slots: threading.BoundedSemaphore) -> type[BaseHTTPRequestHandler]:
+                  profile_slots: threading.BoundedSemaphore,
+                  recordings: _Recordings) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "tramprof"
         # StreamRequestHandler.setup() applies it to the connection.
@@ -409,12 +461,14 @@ def _make_handler(registry: CollectorRegistry, healthy: Callable[[], tuple[bool,
                 return
             try:
                 if url.path == "/metrics":
-                    encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-                    self._reply(200, encoder(registry), content_type)
+                    self._reply(*_metrics(registry, parse_qs(url.query),
+                                          self.headers.get("Accept", ""),
+                                          self.headers.get("Accept-Encoding", "")))
+                elif url.path == RECORD_PATH and recordings.recorder is not None:
+                    self._reply(*self._record(parse_qs(url.query)))
                 elif url.path in PROFILE_PATHS and profiles is not None:
                     if not profile_slots.acquire(blocking=False):
-                        self._reply(429, b"too many profile requests at once, try again\n",
-                                    "text/plain", {"Retry-After": str(PROFILE_RETRY_AFTER)})
+                        self._reply(*_BUSY_PROFILES)
                         return
                     try:  # the slot covers the work, not the client reading the answer
                         response = self._render(url.path, parse_qs(url.query))
@@ -428,6 +482,35 @@ def _make_handler(registry: CollectorRegistry, healthy: Callable[[], tuple[bool,
             except Exception:
                 log.exception("serving %s failed", url.path)
                 self._reply(500, b"internal error\n", "text/plain")
+
+        def _record(self, query: dict[str, list[str]]) -> _Response:
+            """Go's semantics: the next ``seconds`` (default 30), as pprof."""
+            assert recordings.recorder is not None
+            seconds = _float(query, "seconds", RECORD_SECONDS, recordings.max_seconds,
+                             MIN_RECORD_SECONDS)
+            pids = _pids(query)
+            if not recordings.slots.acquire(blocking=False):
+                return _BUSY_PROFILES
+            try:
+                profile = recordings.recorder.record(seconds)
+            except RecordingFailed as exc:
+                return (503, f"recording failed: {exc}\n".encode(), "text/plain",
+                        {"Retry-After": str(PROFILE_RETRY_AFTER)})
+            finally:
+                recordings.slots.release()
+            if pids:
+                profile = profile.only_pids(pids)
+            # The client has waited for the recording: wait for a rendering
+            # slot too rather than refuse now.
+            if not profile_slots.acquire(timeout=request_timeout):
+                return _BUSY_PROFILES
+            try:
+                writer = FORMATS["pprof"]
+                body = writer.encode(profile)
+            finally:
+                profile_slots.release()
+            return (200, body, writer.content_type,
+                    {"Content-Disposition": f'attachment; filename="{writer.filename}"'})
 
         def _render(self, path: str, query: dict[str, list[str]]) -> _Response:
             assert profiles is not None
@@ -450,6 +533,16 @@ def _make_handler(registry: CollectorRegistry, healthy: Callable[[], tuple[bool,
 
         def _reply(self, code: int, body: bytes, content_type: str,
                    headers: dict[str, str] | None = None) -> None:
+            try:
+                self._send(code, body, content_type, headers)
+            except OSError:
+                # A reset, a timeout, a client that stopped waiting (a
+                # recording takes its N seconds): the client's doing.
+                self.close_connection = True
+                log.debug("http: answer to %r not delivered", self.path, exc_info=True)
+
+        def _send(self, code: int, body: bytes, content_type: str,
+                  headers: dict[str, str] | None) -> None:
             self.send_response(code)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
@@ -474,15 +567,18 @@ class _BadRequest(ValueError):
     pass
 
 
-def _float(query: dict[str, list[str]], name: str, default: float) -> float:
+def _float(query: dict[str, list[str]], name: str, default: float,
+           maximum: float = 86400, minimum: float | None = None) -> float:
     if name not in query:
         return default
     try:
         value = float(query[name][0])
     except ValueError:
         raise _BadRequest(f"{name} must be a number") from None
-    if not 0 < value <= 86400:
-        raise _BadRequest(f"{name} must be in (0, 86400]")
+    if minimum is not None and not minimum <= value <= maximum:
+        raise _BadRequest(f"{name} must be in [{minimum:g}, {maximum:g}]")
+    if minimum is None and not 0 < value <= maximum:
+        raise _BadRequest(f"{name} must be in (0, {maximum:g}]")
     return value
 
 

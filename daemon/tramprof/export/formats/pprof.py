@@ -17,11 +17,12 @@ The schema is the stable subset of github.com/google/pprof/proto/profile.proto
 from __future__ import annotations
 
 import gzip
+import re
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from tramprof.model import Profile
+from tramprof.model import FrameSource, MappedFile, Profile
 
 _F = descriptor_pb2.FieldDescriptorProto
 _PACKAGE = "perftools.profiles"
@@ -146,13 +147,123 @@ def _valid_utf8(text: str) -> str:
     return text
 
 
+# A shared library's file name: libc.so.6, libfoo.so, libbar-2.0.so.1.2.
+_SHARED_LIBRARY = re.compile(r"\.so$|\.so[._][0-9]")
+
+#: Prefix of Python frame names in perf maps: ``py::<qualname>:<filename>``
+#: (CPython's ``-X perf`` and the trampoline runtime write the same).
+PYTHON_PREFIX = "py::"
+
+
+def python_name(frame: str) -> tuple[str, str] | None:
+    """(qualname, file name) of a Python frame name, None for other frames.
+    A qualname holds no ``:``, a file name may: the first one separates them."""
+    if not frame.startswith(PYTHON_PREFIX):
+        return None
+    qualname, colon, filename = frame[len(PYTHON_PREFIX):].partition(":")
+    if not colon or not qualname:
+        return None
+    return qualname, filename
+
+
+class _Builder:
+    """The profile's Mapping, Function and Location tables, each entry once."""
+
+    def __init__(self, message: Any, strings: _Strings) -> None:
+        self._message = message
+        self._strings = strings
+        self._mappings: dict[MappedFile, int] = {}
+        self._functions: dict[tuple[str, str], int] = {}
+        self._locations: dict[tuple[str, FrameSource | None], int] = {}
+        # The same, by the source's identity: stored stacks share one object
+        # per address, and hashing it by value costs several times more.
+        self._by_identity: dict[tuple[str, int], int] = {}
+
+    def location(self, frame: str, source: FrameSource | None) -> int:
+        fast = (frame, id(source))
+        location_id = self._by_identity.get(fast)
+        if location_id is not None:
+            return location_id
+        key = (frame, source)
+        location_id = self._locations.get(key)
+        if location_id is not None:
+            self._by_identity[fast] = location_id
+            return location_id
+        location_id = self._locations[key] = self._by_identity[fast] = len(self._locations) + 1
+        location = self._message.location.add(id=location_id)
+        python = python_name(frame)
+        line = 0
+        if source is not None:
+            location.address = source.address
+            if source.mapping is not None:
+                location.mapping_id = self._mapping(source.mapping)
+            line = source.line
+        if python is not None:
+            name, filename = python
+        else:
+            name = frame
+            filename = source.file if source is not None else ""
+        function_id = self._function(name, frame, filename)
+        location.line.add(function_id=function_id, line=line)
+        return location_id
+
+    def _function(self, name: str, system_name: str, filename: str) -> int:
+        key = (system_name, filename)
+        function_id = self._functions.get(key)
+        if function_id is None:
+            function_id = self._functions[key] = len(self._functions) + 1
+            strings = self._strings
+            self._message.function.add(
+                id=function_id, name=strings(_valid_utf8(name) or "[empty]"),
+                system_name=strings(_valid_utf8(system_name) or "[empty]"),
+                filename=strings(_valid_utf8(filename)))
+        return function_id
+
+    def _mapping(self, mapped: MappedFile) -> int:
+        mapping_id = self._mappings.get(mapped)
+        if mapping_id is None:
+            mapping_id = self._mappings[mapped] = len(self._mappings) + 1
+        return mapping_id
+
+    def add_mappings(self) -> None:
+        """The Mapping table, the main executable first: tools take the first
+        mapping for the profiled program (``File:`` in pprof's reports). It is
+        the first that is neither a shared library nor bracketed (pprof's own
+        guess when it converts perf data)."""
+        mappings = list(self._mappings.items())
+        main = next((i for i, (mapped, _) in enumerate(mappings)
+                     if not mapped.path.startswith("[")
+                     and _SHARED_LIBRARY.search(mapped.path) is None), 0)
+        if mappings:
+            mappings.insert(0, mappings.pop(main))
+        for mapped, mapping_id in mappings:
+            self._message.mapping.add(
+                id=mapping_id, memory_start=mapped.start, memory_limit=mapped.end,
+                file_offset=mapped.file_offset,
+                filename=self._strings(_valid_utf8(mapped.path)),
+                build_id=self._strings(mapped.build_id),
+                # Named already: tools must not look the binaries up again
+                # unless asked to (go tool pprof -symbolize=force).
+                has_functions=True)
+
+
 def encode_pprof(profile: Profile) -> bytes:
     """The profile as a gzipped pprof message with samples and CPU time per stack.
 
-    Each distinct frame name gets one Function and one Location (address 0,
-    no mapping: the names are already resolved). Sample locations are leaf
-    first, as pprof expects; values are ``[samples, samples * period_ns]``;
-    labels carry ``pid``, ``comm`` (thread) and ``process``.
+    Sample locations are leaf first, as pprof expects; values are
+    ``[samples, samples * period_ns]`` (period 1e9/frequency ns); labels
+    carry ``pid``, ``comm`` (the thread's name), ``process`` and the
+    profile's per-process labels (``container_id``, ``pod_uid``).
+
+    Frames whose code is known (``Stack.sources``) get a Location with their
+    address and Mapping (file, offsets, build id; the kernel as
+    ``[kernel.kallsyms]``), so tools can re-symbolize and find lines from
+    DWARF (``go tool pprof -symbolize=local:force``). Python frames
+    (``py::qualname:file``) become Function ``qualname`` in ``file``, the
+    whole perf map name kept as its system name; they carry no line (perf
+    map names have none) unless a jitdump gave one. Other frames keep their
+    name. Marker frames and stacks without sources get one address-less
+    Location per name.
     """
     classes = _CLASSES
     strings = _Strings()
@@ -167,25 +278,24 @@ def encode_pprof(profile: Profile) -> bytes:
     message.duration_nanos = profile.duration_ns
     message.default_sample_type = strings("cpu")
 
-    location_ids: dict[str, int] = {}
+    builder = _Builder(message, strings)
     pid_key, comm_key, process_key = strings("pid"), strings("comm"), strings("process")
     label = classes["Label"]
     period = profile.period_ns
+    process_labels: dict[int, list[Any]] = {}
+    for pid, extra in profile.process_labels.items():
+        process_labels[pid] = [label(key=strings(key), str=strings(_valid_utf8(value)))
+                               for key, value in sorted(extra.items()) if value]
     for stack in profile.stacks:
-        ids = []
-        for frame in reversed(stack.frames):
-            location_id = location_ids.get(frame)
-            if location_id is None:
-                location_id = location_ids[frame] = len(location_ids) + 1
-                message.function.add(id=location_id,
-                                     name=strings(_valid_utf8(frame) or "[empty]"))
-                location = message.location.add(id=location_id)
-                location.line.add(function_id=location_id)
-            ids.append(location_id)
+        frames = stack.frames
+        sources = stack.sources if len(stack.sources) == len(frames) else (None,) * len(frames)
+        ids = [builder.location(frames[i], sources[i]) for i in range(len(frames) - 1, -1, -1)]
         message.sample.add(
             location_id=ids, value=[stack.count, stack.count * period],
             label=[label(key=pid_key, num=stack.pid),
                    label(key=comm_key, str=strings(_valid_utf8(stack.comm))),
-                   label(key=process_key, str=strings(_valid_utf8(stack.process)))])
+                   label(key=process_key, str=strings(_valid_utf8(stack.process))),
+                   *process_labels.get(stack.pid, ())])
+    builder.add_mappings()
     message.string_table.extend(strings.table)
     return gzip.compress(message.SerializeToString(), compresslevel=6, mtime=0)
