@@ -21,6 +21,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from tramprof.commands.cli import EXIT_CONFIG, EXIT_USAGE
 from tramprof.commands.privileges import CAPABILITIES, RUNTIME_CAPABILITIES
 from tramprof.config import Config, from_mapping, load_file
 
@@ -34,7 +35,7 @@ K8S = DEPLOY / "kubernetes"
 CONTAINERFILE = DEPLOY / "container" / "Containerfile"
 # Files that are not plain Kubernetes API objects: a CRD instance whose
 # schema kubernetes-validate does not have, and kustomize's own file.
-NOT_CORE_API = {"podmonitor.yaml", "kustomization.yaml"}
+NOT_CORE_API = {"podmonitor.yaml", "prometheusrule.yaml", "kustomization.yaml"}
 # Kubernetes versions the manifests are validated against (appArmorProfile
 # needs 1.30); the newest one kubernetes-validate knows is added at run time.
 K8S_VERSIONS = ["1.30"]
@@ -109,8 +110,17 @@ def unit_copy(tmp_path: Path) -> Path:
 
 def test_unit_verifies_cleanly(unit_copy: Path) -> None:
     analyze = need("systemd-analyze", "apt-get install systemd")
-    proc = subprocess.run([analyze, "verify", str(unit_copy)], capture_output=True, text=True,
-                          cwd=unit_copy.parent, timeout=60)
+    # verify looks Documentation=man:tramprof(1) up with man(1): the page,
+    # as `tramprof man` prints it, where man finds it (without man-db, the
+    # rest of the unit is still verified).
+    page = unit_copy.parent / "man" / "man1" / "tramprof.1"
+    page.parent.mkdir(parents=True)
+    page.write_text(subprocess.run([TRAMPROF, "man"], capture_output=True, text=True,
+                                   check=True).stdout)
+    man = [] if tool("man") else ["--man=no"]
+    proc = subprocess.run([analyze, "verify", *man, str(unit_copy)], capture_output=True,
+                          text=True, cwd=unit_copy.parent, timeout=60,
+                          env={**os.environ, "MANPATH": f"{page.parents[1]}:"})
     assert proc.returncode == 0 and not (proc.stdout + proc.stderr).strip(), \
         proc.stdout + proc.stderr
 
@@ -144,6 +154,9 @@ def test_unit_essentials() -> None:
     assert s["[Service]NotifyAccess"] == "main"
     assert s["[Service]WatchdogSec"] == "30s"
     assert s["[Service]Restart"] == "on-failure"
+    # Configuration (EX_CONFIG) and usage errors are not retried.
+    assert s["[Service]RestartPreventExitStatus"].split() == [str(EXIT_USAGE), str(EXIT_CONFIG)]
+    assert s["[Unit]Documentation"] == "man:tramprof(1)"
     assert s["[Service]ExecReload"] == "/bin/kill -HUP $MAINPID"
     assert s["[Service]ExecStart"] == \
         "/opt/tramprof/bin/tramprof run --config /etc/tramprof/tramprof.toml"
@@ -224,6 +237,41 @@ def test_podmonitor_structure() -> None:
         assert re.fullmatch(r"\d+[smh]", endpoint["interval"])
 
 
+def test_podmonitor_labels_match_the_rules_and_the_agent() -> None:
+    """In-cluster series carry the labels the rules and the dashboard select
+    by, as the hosts' agent sends them: job="tramprof", the node as instance;
+    and the same sample limit."""
+    (pm,) = k8s_documents()["podmonitor.yaml"]
+    agent = yaml.safe_load((DEPLOY / "prometheus" / "agent.yml").read_text())
+    (job,) = agent["scrape_configs"]
+    assert pm["spec"]["sampleLimit"] == job["sample_limit"]
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    relabel = {r["targetLabel"]: r for r in endpoint["relabelings"]}
+    assert relabel["job"]["replacement"] == job["job_name"] and "sourceLabels" not in \
+        relabel["job"]
+    assert relabel["instance"]["sourceLabels"] == ["__meta_kubernetes_pod_node_name"]
+    assert endpoint["metricRelabelings"] == [
+        {"sourceLabels": ["__name__"], "regex": "tramprof_.+", "action": "keep"}]
+
+
+def test_prometheusrule_structure() -> None:
+    """No CRD schema here either: the operator's PrometheusRule fields, by
+    hand (tests/unit/test_prometheus_rules.py checks the rules themselves)."""
+    (rule,) = k8s_documents()["prometheusrule.yaml"]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["kind"] == "PrometheusRule"
+    assert set(rule["spec"]) == {"groups"}
+    for group in rule["spec"]["groups"]:
+        assert set(group) <= {"name", "interval", "rules", "limit",
+                              "partial_response_strategy"}
+        for r in group["rules"]:
+            assert set(r) <= {"record", "alert", "expr", "for", "labels", "annotations",
+                              "keep_firing_for"}
+            assert ("record" in r) != ("alert" in r)
+            for value in (*r.get("labels", {}).values(), *r.get("annotations", {}).values()):
+                assert isinstance(value, str)
+
+
 def test_kustomization_lists_every_manifest() -> None:
     (k,) = k8s_documents()["kustomization.yaml"]
     assert k["kind"] == "Kustomization"
@@ -295,6 +343,10 @@ def test_checkov_finds_nothing_unjustified() -> None:
         assert summary["failed"] == 0 and not failed, failed
         assert summary["parsing_errors"] == 0
         assert summary["passed"] >= 80
+        # Every manifest was looked at (the DaemonSet also counts as its Pod).
+        manifests = sum(len(docs) for name, docs in k8s_documents().items()
+                        if name != "kustomization.yaml")
+        assert summary["resource_count"] == manifests + 1, summary
         for skipped in report["results"]["skipped_checks"]:
             reason = skipped["check_result"].get("suppress_comment", "")
             assert len(reason) > 30, f"{skipped['check_id']} skipped without a reason"
@@ -317,4 +369,6 @@ def test_containerfile_uses_the_shared_recipe() -> None:
     assert "deploy/install-deps.sh" in text
     assert "--system-site-packages" in text
     assert "ENV BCC_KERNEL_SOURCE=/usr/src/kernel-headers" in text
-    assert re.search(r"^FROM docker\.io/library/debian:12", text, re.M)
+    # Debian 12 from Docker Hub unless the build names another base.
+    assert re.search(r"^ARG BASE_IMAGE=docker\.io/library/debian:12-slim$", text, re.M)
+    assert re.findall(r"^FROM .*$", text, re.M) == ["FROM ${BASE_IMAGE}"]

@@ -65,9 +65,15 @@ Leaving uid 0
     processes of the new uid cannot read its /proc files nor ptrace it (their
     capabilities are not a superset of ours either). They can still send it
     signals, so a uid of its own is better than the shared ``nobody``.
-    Changing the uid needs CAP_SETUID and CAP_SETGID; without them (the
-    Kubernetes DaemonSet grants neither) the uid stays 0, with a warning.
+    Changing the uid needs CAP_SETUID and CAP_SETGID; without them the uid
+    stays 0, with a warning (``tramprof run`` does not even start:
+    ``check_start_capabilities()``; ``run_as = ""`` stays root on purpose).
     A process that is not root (systemd's DynamicUser=) keeps its uid.
+
+``check_start_capabilities()``, before anything is loaded, refuses to start
+without any capability the daemon will use, naming each one, instead of
+failing later with the kernel's "Operation not permitted" or running with
+frames it cannot name.
 
 Capabilities are per thread: call it from the main thread before any other
 thread exists (it refuses otherwise), so that threads started later inherit
@@ -503,6 +509,85 @@ def drop_privileges(keep: Iterable[str], run_as: tuple[int, int] | None = None) 
                       gid=new_gids[1], uid_note=uid_note, bounding_reduced=can_setpcap)
     log.info("%s", outcome.describe())
     return outcome
+
+
+# What `tramprof run` uses each capability for: the start-up check names the
+# missing ones with this (deploy/README.md has the long version).
+PURPOSES: dict[str, str] = {
+    "CAP_BPF": "create the BPF maps and load the program",
+    "CAP_PERFMON": "attach it to a sampling perf event on every CPU",
+    "CAP_SYSLOG": "read kernel symbol addresses in /proc/kallsyms (kernel frame names)",
+    "CAP_SYS_PTRACE": "read other processes' /proc/PID/maps, mem, root and map_files",
+    "CAP_DAC_READ_SEARCH": "open those 0600/0500 /proc files and binaries below 0700 "
+                           "directories",
+    "CAP_CHECKPOINT_RESTORE": "follow /proc/PID/map_files links (deleted binaries, memfd "
+                              "JIT code)",
+    "CAP_SETUID": "leave uid 0 for run_as once the program is attached",
+    "CAP_SETGID": "leave gid 0 for run_as once the program is attached",
+}
+
+
+def _read_sysctl(name: str, default: int) -> int:
+    try:
+        with open(f"/proc/sys/kernel/{name}") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return default
+
+
+def kallsyms_needs_syslog(kptr_restrict: int, perf_event_paranoid: int) -> bool:
+    """Whether /proc/kallsyms shows real addresses only to CAP_SYSLOG holders
+    (kallsyms_show_value()): with kptr_restrict 0 and perf_event_paranoid <= 1
+    everyone sees them, with kptr_restrict >= 2 no one does."""
+    return kptr_restrict == 1 or (kptr_restrict == 0 and perf_event_paranoid > 1)
+
+
+def missing_capabilities(run_as: tuple[int, int] | None = DEFAULT_RUN_AS,
+                         kernel: tuple[int, int] | None = None,
+                         kptr_restrict: int | None = None,
+                         perf_event_paranoid: int | None = None) -> dict[str, str]:
+    """The capabilities ``tramprof run`` needs and this process lacks, each
+    with what it is for; empty when nothing is missing.
+
+    Start-up ones must be effective (CAP_SYS_ADMIN stands in for CAP_BPF and
+    CAP_PERFMON, as in the kernel); CAP_SYSLOG only where kallsyms hides
+    addresses without it. The ones kept after start-up and, for a root
+    process that leaves uid 0 for ``run_as``, CAP_SETUID and CAP_SETGID must
+    be permitted (drop_privileges takes them from there). Capabilities this
+    kernel does not know are not asked for.
+    """
+    effective, permitted, _ = _capget()
+    have = set(cap_names(effective))
+    may = set(cap_names(permitted))
+    wanted: list[tuple[str, bool]] = []
+    if "CAP_SYS_ADMIN" not in have:
+        wanted += [("CAP_BPF", "CAP_BPF" in have), ("CAP_PERFMON", "CAP_PERFMON" in have)]
+    if kallsyms_needs_syslog(
+            _read_sysctl("kptr_restrict", 1) if kptr_restrict is None else kptr_restrict,
+            _read_sysctl("perf_event_paranoid", 2) if perf_event_paranoid is None
+            else perf_event_paranoid):
+        wanted.append(("CAP_SYSLOG", "CAP_SYSLOG" in have))
+    wanted += [(name, name in may) for name in runtime_capabilities(kernel)]
+    uids, _, _ = _get_ids()
+    if run_as is not None and run_as[0] != 0 and _has_root_id(uids):
+        wanted += [(name, name in may) for name in ("CAP_SETUID", "CAP_SETGID")]
+    last = cap_last_cap()
+    missing = sorted({name for name, held in wanted
+                      if not held and CAPABILITIES[name] <= last}, key=CAPABILITIES.__getitem__)
+    return {name: PURPOSES[name] for name in missing}
+
+
+def check_start_capabilities(run_as: tuple[int, int] | None = DEFAULT_RUN_AS) -> None:
+    """Refuse to start without every capability ``missing_capabilities()``
+    asks for, instead of failing later with an error of the kernel's or
+    running with unnamed frames. Raises PrivilegeError naming each one."""
+    missing = missing_capabilities(run_as)
+    if missing:
+        raise PrivilegeError(
+            f"missing capabilities: {', '.join(missing)}; grant them (Kubernetes: "
+            "securityContext.capabilities.add, systemd: AmbientCapabilities=) or run as "
+            "root (deploy/README.md, Capabilities)\n"
+            + "\n".join(f"  {name}: {why}" for name, why in missing.items()))
 
 
 def nothing_to_drop() -> bool:
