@@ -1,3 +1,9 @@
 """tramprof: a continuous CPU profiler that unwinds through JIT trampolines."""
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    # One source: the version in pyproject.toml, as installed.
+    __version__ = version("tramprof")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"

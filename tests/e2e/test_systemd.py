@@ -13,7 +13,11 @@ that
 * the daemon runs with the unit's capabilities and, after start-up, only
   those it keeps (CapEff), with NoNewPrivs set,
 * ``systemctl reload`` does not kill it,
+* the journal has the daemon's lines at their priorities (info 6, warning
+  4; sd-daemon prefixes, JOURNAL_STREAM detection) and Documentation=,
 * ``systemctl stop`` leaves no sampling program loaded in the (shared) kernel,
+* a configuration error fails the unit at once (exit 78, priority 3) and
+  it is not restarted (RestartPreventExitStatus=),
 * the container powers off cleanly.
 
 Marked ``system``: run it with ``make test-system`` (``pytest -m system
@@ -431,6 +435,18 @@ def _caps(status: str, field: str) -> set[str]:
         {f"bit{b}" for b in range(64) if value >> b & 1 and b not in CAP_BITS.values()})
 
 
+def journal_entries(m: Machine, match: str) -> list[tuple[str, int]]:
+    """(MESSAGE, PRIORITY) of the journal entries matching ``match``."""
+    out = m.run(f"journalctl --no-pager -o json {match}").stdout
+    entries = []
+    for line in out.splitlines():
+        entry = json.loads(line)
+        message = entry.get("MESSAGE")
+        if isinstance(message, str):  # bytes come as a list of numbers
+            entries.append((message, int(entry["PRIORITY"])))
+    return entries
+
+
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
@@ -478,9 +494,16 @@ def test_unit_under_systemd(machine: Machine) -> None:
           f"sed -i 's/^listen = .*/listen = \"127.0.0.1:{PORT}\"/; "
           "s/^interval = .*/interval = 2.0/' /etc/tramprof/tramprof.toml && "
           "install -m 0644 /src/deploy/systemd/tramprof.service "
-          "/etc/systemd/system/tramprof.service && systemctl daemon-reload")
-    verify = m.run("systemd-analyze verify /etc/systemd/system/tramprof.service", check=False)
+          "/etc/systemd/system/tramprof.service && "
+          "install -d /usr/local/share/man/man1 && /opt/tramprof/bin/tramprof man "
+          ">/usr/local/share/man/man1/tramprof.1 && systemctl daemon-reload")
+    # The root has no man(1) to look Documentation= up with: the host's
+    # verify of the unit (test_deploy_manifests.py) checks the man page.
+    verify = m.run("systemd-analyze verify --man=no /etc/systemd/system/tramprof.service",
+                   check=False)
     assert verify.returncode == 0 and not (verify.stdout + verify.stderr).strip(), verify
+    assert m.run("systemctl show -p Documentation --value tramprof").stdout.strip() == \
+        '"man:tramprof(1)"'  # a list of quoted strings
 
     # Type=notify: `systemctl start` returns only after READY=1 (or fails).
     start = m.run("systemctl start tramprof", check=False, timeout=240)  # unit: 180 s
@@ -525,9 +548,10 @@ def test_unit_under_systemd(machine: Machine) -> None:
     assert "kernel frames stay unnamed" not in journal, journal
 
     # ExecReload (SIGHUP) re-reads the file and applies a new frequency
-    # without the capabilities it started with, and without a restart.
-    m.run("sed -i 's/^frequency = .*/frequency = 49/' /etc/tramprof/tramprof.toml && "
-          "systemctl reload tramprof")
+    # without the capabilities it started with, and without a restart (a
+    # restart-only setting is kept, with a warning).
+    m.run("sed -i 's/^frequency = .*/frequency = 49/; s/^max_keys = .*/max_keys = 8192/' "
+          "/etc/tramprof/tramprof.toml && systemctl reload tramprof")
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and "configuration reloaded" not in journal:
         time.sleep(0.5)
@@ -540,6 +564,19 @@ def test_unit_under_systemd(machine: Machine) -> None:
     assert int(m.run("systemctl show -p MainPID --value tramprof").stdout) == pid
     assert int(m.run("systemctl show -p NRestarts --value tramprof").stdout) == 0
 
+    # Every line of the daemon reaches the journal with its own priority
+    # (the sd-daemon prefix, stripped from MESSAGE), not SyslogLevel='s 6.
+    entries = journal_entries(m, f"_SYSTEMD_INVOCATION_ID={invocation}")
+    # Text lines in the journal: "logger: message", no time, no level name.
+    priorities = {message.split(": ", 1)[1]: priority for message, priority in entries
+                  if re.match(r"tramprof(\.\w+)+: ", message)}
+    kept = next(msg for msg in priorities if msg.startswith("capabilities kept:"))
+    assert priorities[kept] == 6, entries
+    assert priorities["configuration reloaded: 49 Hz, interval 2.0 s, all processes"] == 6
+    warned = "reload: max_keys change only at restart; keeping the running values"
+    assert priorities[warned] == 4, entries
+    assert not [msg for msg, _ in entries if re.match(r"<\d>|\d{4}-", msg)], entries
+
     ours = program_ids_of(host_pid(m.leader, pid))
     assert BPF_PROG_TYPE_PERF_EVENT in ours.values(), f"no sampling program held: {ours}"
     assert set(ours) <= loaded_program_ids()
@@ -550,6 +587,24 @@ def test_unit_under_systemd(machine: Machine) -> None:
     assert not left, f"stopping must unload the daemon's BPF programs; still loaded: {left}"
     journal = m.run("journalctl -u tramprof --no-pager -o cat").stdout
     print(f"service test in {time.monotonic() - began:.1f} s; journal:\n{journal[-3000:]}")
+
+    # A configuration error: the unit fails at once with EX_CONFIG and
+    # stays failed; Restart=on-failure would have started it again after
+    # RestartSec=5s, and again, for ever.
+    m.run("sed -i 's/^frequency = .*/frequency = 0/' /etc/tramprof/tramprof.toml")
+    start = m.run("systemctl start tramprof", check=False, timeout=120)
+    assert start.returncode != 0, start
+    time.sleep(8)  # past RestartSec=
+    failed = dict(line.split("=", 1) for line in m.run(
+        "systemctl show tramprof -p ActiveState -p Result -p ExecMainStatus -p NRestarts"
+    ).stdout.splitlines())
+    assert failed == {"ActiveState": "failed", "Result": "exit-code", "ExecMainStatus": "78",
+                      "NRestarts": "0"}, failed
+    # (By unit: a process that exits at once may leave its lines without
+    # the invocation's id.)
+    entries = journal_entries(m, "-u tramprof")
+    assert ("tramprof: configuration error: /etc/tramprof/tramprof.toml: frequency: "
+            "must be 1..10000 (Hz)", 3) in entries, entries
 
     began = time.monotonic()
     assert m.poweroff() == 0, m.console_tail()

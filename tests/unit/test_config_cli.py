@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from tramprof.commands.cli import _run_config, build_parser, main
+from tramprof.commands.cli import EXIT_CONFIG, _run_config, build_parser, main
 from tramprof.config import Config, ConfigError, from_mapping, load_file
 from tramprof.pipeline.profiler import sampler_config
 
@@ -55,7 +55,7 @@ def test_bad_files(tmp_path, capsys):
         load_file(str(bad))
     with pytest.raises(ConfigError, match="cannot read"):
         load_file(str(tmp_path / "missing.toml"))
-    assert main(["run", "--config", str(bad)]) == 2
+    assert main(["run", "--config", str(bad)]) == EXIT_CONFIG == 78
     assert "configuration error" in capsys.readouterr().err
 
 
@@ -97,7 +97,7 @@ def test_config_check_and_show(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == f"{good}: ok"
     bad = tmp_path / "bad.toml"
     bad.write_text('tls_cert_file = "/etc/cert.pem"\n')
-    assert main(["config", "check", str(bad)]) == 2
+    assert main(["config", "check", str(bad)]) == EXIT_CONFIG
     assert "tls_cert_file: set both" in capsys.readouterr().err
     assert main(["config", "show"]) == 0
     assert "TRAMPROF_MAX_SERIES" in capsys.readouterr().out
@@ -111,3 +111,31 @@ def test_scan_window_reaches_the_sampler():
     assert sampler_config(Config()).scan_bytes == 65536
     largest = from_mapping({"scan_window_bytes": 1 << 18})
     assert sampler_config(largest).scan_bytes == 1 << 18  # the sampler accepts it too
+
+
+def test_global_flags_before_or_after_the_command(tmp_path):
+    """--log-level/--log-format are accepted on either side of the command
+    name (and of nested ones); given before, a later default cannot erase them."""
+    parser = build_parser()
+    for argv in (["--log-level", "debug", "--log-format", "json", "run"],
+                 ["run", "--log-level", "debug", "--log-format", "json"],
+                 ["--log-level", "debug", "run", "--log-format", "json"]):
+        args = parser.parse_args(argv)
+        assert (args.command, args.log_level, args.log_format) == ("run", "debug", "json")
+        assert _run_config(args).log_level == "debug"
+    args = parser.parse_args(["config", "check", "x.toml", "--log-level", "error"])
+    assert (args.config_command, args.log_level, args.log_format) == ("check", "error", None)
+    args = parser.parse_args(["record", "--log-level", "info", "--", "sleep", "1"])
+    assert (args.log_level, args.argv) == ("info", ["sleep", "1"])
+    args = parser.parse_args(["record", "--", "python3", "app.py", "--log-level", "x"])
+    assert args.log_level is None and args.argv == ["python3", "app.py", "--log-level", "x"]
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["run", "--log-format", "xml"])
+    assert exc.value.code == 2
+
+
+def test_record_command_and_targets_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["record", "--pid", "1", "--", "true"])
+    assert exc.value.code == 2
+    assert "either a COMMAND or --pid/--all" in capsys.readouterr().err

@@ -241,6 +241,7 @@ def test_table_events(tmp_path: Path, table: ProcessTable[str], rec: Recorder) -
     table.on_event(ProcessEvent("fork", 99, 10))
     table.on_event(ProcessEvent("exit", 99))
     assert len(table) == 3
+    make_proc(tmp_path, 11, start=110, start_stack=0x1234)  # the exec: a new stack
     table.on_event(ProcessEvent("exec", 11))
     assert table.get(11, 110) is None
     table.on_event(ProcessEvent("exit", 12))
@@ -248,9 +249,14 @@ def test_table_events(tmp_path: Path, table: ProcessTable[str], rec: Recorder) -
     assert [v for _, v in rec.dropped] == ["s11", "s12"]
     # exec'd process: state is rebuilt on demand
     assert table.get_or_create(11, 110, rec.factory("s11-after-exec")) == "s11-after-exec"
+    # An exec event applied after the state of the new image was built (events
+    # take effect after the next drain) leaves that state alone.
+    table.on_event(ProcessEvent("exec", 11))
+    assert table.get(11, 110) == "s11-after-exec"
     table.clear()
     assert len(table) == 0
     assert len(rec.dropped) == 4
+    assert [v for _, v in rec.dropped][2:] == ["s10", "s11-after-exec"]
 
 
 def test_table_resync(tmp_path: Path, table: ProcessTable[str], rec: Recorder) -> None:

@@ -1,14 +1,36 @@
-"""Command line: ``tramprof run | record | doctor | metrics``."""
+"""Command line: ``tramprof run | record | doctor | metrics | config | completion | man``.
+
+Exit status: 0 success, 1 a failure at run time (the sampler cannot load,
+privileges cannot be dropped, the listen address is taken: a restart may
+help), 2 a usage error, 78 (EX_CONFIG, sysexits.h) a configuration error
+(bad file, setting or environment variable: restarting cannot help, so the
+systemd unit lists it in RestartPreventExitStatus=). ``record -- COMMAND``
+exits with the command's status.
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+import shtab
+
 from tramprof import __version__
+from tramprof.commands.logs import (
+    LOG_FORMATS,
+    LOG_LEVELS,
+    PRIORITY_ERROR,
+    configure_logging,
+    stream_is_journal,
+)
 from tramprof.config import Config, ConfigError, describe, load
 from tramprof.export.formats import FORMATS
+
+EVENT_HELP = ("what drives sampling (default auto: hardware cycles where the machine has a "
+              "PMU, otherwise cpu-clock)")
+COMMAND_DRAIN_INTERVAL = 1.0
+EXIT_USAGE = 2
+EXIT_CONFIG = 78  # EX_CONFIG: the unit's RestartPreventExitStatus=
 
 
 def _positive_float(text: str) -> float:
@@ -23,40 +45,56 @@ def _add_pids(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup
                         metavar="PID", help="profile only these processes (repeatable)")
 
 
+def _complete_files(action: argparse.Action) -> None:
+    """Shell completion offers file names for this argument."""
+    setattr(action, "complete", shtab.FILE)  # noqa: B010 - shtab reads it off the Action
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tramprof", description=(
         "Continuous CPU profiler: eBPF stack sampling that unwinds through JIT trampolines."))
     parser.add_argument("--version", action="version", version=f"tramprof {__version__}")
-    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    _add_global_flags(parser, after_subcommand=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the daemon: sample continuously, serve /metrics")
-    run.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    _complete_files(run.add_argument("--config", metavar="FILE",
+                                     help="TOML configuration file"))
     run.add_argument("--listen", metavar="HOST:PORT", help="HTTP address (default "
                      "127.0.0.1:9947)")
     run.add_argument("--frequency", "-F", type=int, metavar="HZ",
                      help="samples per second per CPU (default 99)")
     run.add_argument("--interval", type=_positive_float, metavar="SECONDS",
                      help="how often the in-kernel buffers are drained (default 10)")
-    run.add_argument("--event", choices=("auto", "cycles", "cpu-clock"))
+    run.add_argument("--event", choices=("auto", "cycles", "cpu-clock"), help=EVENT_HELP)
     run.add_argument("--scan-window", type=int, metavar="BYTES", dest="scan_window_bytes",
                      help="stack bytes scanned for CPython -X perf trampoline frames "
                      "(default 65536; cost grows with it, deeper Python stacks need more)")
     _add_pids(run)
     run.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
 
-    record = sub.add_parser("record", help="profile for a while and print the stacks")
+    record = sub.add_parser("record", help="profile for a while, or a command until it "
+                            "exits, and print the stacks",
+                            usage="%(prog)s [options] [--pid PID ... | --all]\n"
+                            "       %(prog)s [options] -- COMMAND [ARG ...]")
     target = record.add_mutually_exclusive_group()
     _add_pids(target)
     target.add_argument("--all", "-a", action="store_true", help="all processes (default)")
-    record.add_argument("--duration", "-d", type=_positive_float, default=10.0,
-                        metavar="SECONDS", help="how long to sample (default 10)")
+    record.add_argument("--duration", "-d", type=_positive_float, metavar="SECONDS",
+                        help="how long to sample (default 10; with a COMMAND: until it "
+                        "exits)")
     record.add_argument("--frequency", "-F", type=int, default=99, metavar="HZ",
                         help="samples per second per CPU (default 99)")
     record.add_argument("--format", "-f", choices=tuple(FORMATS), default="folded",
                         help="output format (default folded: comm;root;...;leaf COUNT)")
-    record.add_argument("--output", "-o", metavar="FILE", help="write here instead of stdout")
-    record.add_argument("--event", choices=("auto", "cycles", "cpu-clock"), default="auto")
+    _complete_files(record.add_argument("--output", "-o", metavar="FILE",
+                                        help="write here instead of stdout"))
+    record.add_argument("--event", choices=("auto", "cycles", "cpu-clock"), default="auto",
+                        help=EVENT_HELP)
+    record.add_argument("argv", nargs="*", metavar="COMMAND",
+                        help="after --: start this command (TRAMPROF_TRAMPOLINES=1 in its "
+                        "environment) and profile it and its children until it exits; "
+                        "tramprof then exits with its status")
 
     doctor = sub.add_parser("doctor", help="check the host (and a process) for profiling")
     doctor.add_argument("--pid", "-p", type=int, help="also explain this process")
@@ -65,19 +103,49 @@ def build_parser() -> argparse.ArgumentParser:
                         "frames get names (0: skip; needs root)")
 
     sub.add_parser("metrics", help="print the table of exported metric families (Markdown)")
+    from tramprof.commands import inject as inject_command
+
+    inject_command.add_parser(sub)
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     check = config_sub.add_parser("check", help="validate a configuration file")
-    check.add_argument("file", metavar="FILE")
+    _complete_files(check.add_argument("file", metavar="FILE", help="TOML configuration file"))
     config_sub.add_parser("show", help="print every setting, its environment variable and "
                           "default")
+    config_sub.add_parser("example", help="print a configuration file with every setting, "
+                          "its documentation and default (deploy/tramprof.example.toml)")
+
+    completion = sub.add_parser("completion", help="print a shell completion script "
+                                "(bash: source <(tramprof completion bash))")
+    completion.add_argument("shell", choices=("bash", "zsh"), help="the shell to complete for")
+    sub.add_parser("man", help="print the manual page (roff): tramprof man | man -l -")
+    _accept_global_flags_after_subcommands(parser)
     return parser
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _add_global_flags(parser: argparse.ArgumentParser, after_subcommand: bool) -> None:
+    """Flags every command takes, before or after its name. After it, they
+    default to "not given" so they never overwrite a value given before it."""
+    default = argparse.SUPPRESS if after_subcommand else None
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=default,
+                        help="log threshold (run: default info, or log_level from the "
+                        "configuration; other commands: warning)")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=default,
+                        help="log line format on stderr (default text); under systemd "
+                        "every line carries its journald priority")
+
+
+def _accept_global_flags_after_subcommands(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in {id(p): p for p in action.choices.values()}.values():
+                _add_global_flags(subparser, after_subcommand=True)
+                _accept_global_flags_after_subcommands(subparser)
+
+
+def _setup_logging(args: argparse.Namespace, level: str) -> None:
+    configure_logging(level, args.log_format or "text")
 
 
 def _run_config(args: argparse.Namespace) -> Config:
@@ -95,11 +163,12 @@ def _flag_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         if args.command == "run":
             config = _run_config(args)
-            _setup_logging(config.log_level)
+            _setup_logging(args, config.log_level)
             if args.print_bpf:
                 from tramprof.pipeline.profiler import sampler_config
                 from tramprof.sampler.program import build_cflags, program_source
@@ -113,13 +182,23 @@ def main(argv: list[str] | None = None) -> int:
             return run_daemon(config, reload=lambda: load(args.config, overrides=overrides),
                               run_as=config.run_as_ids())
         if args.command == "record":
-            _setup_logging(args.log_level or "warning")
+            _setup_logging(args, args.log_level or "warning")
+            if args.argv and (args.pids or args.all):
+                parser.error("record: give either a COMMAND or --pid/--all, not both")
+            duration = args.duration or (None if args.argv else 10.0)
+            # A command's processes may live only seconds: their samples are
+            # named while they still run (see commands/record.py).
+            interval = COMMAND_DRAIN_INTERVAL if args.argv else min(duration or 5.0, 5.0)
             config = Config(frequency=args.frequency, event=args.event,
-                            pids=tuple(args.pids or ()), interval=min(args.duration, 5.0))
-            from tramprof.commands.record import record
+                            pids=tuple(args.pids or ()), interval=interval)
+            from tramprof.commands.record import record, record_command
 
             config = config.validated()
-            return record(config, args.duration, args.format, args.output,
+            if args.argv:
+                return record_command(config, args.argv, duration, args.format, args.output,
+                                      run_as=config.run_as_ids())
+            assert duration is not None
+            return record(config, duration, args.format, args.output,
                           run_as=config.run_as_ids())
         if args.command == "doctor":
             from tramprof.commands import doctor
@@ -133,20 +212,40 @@ def main(argv: list[str] | None = None) -> int:
                 load(args.file)
                 print(f"{args.file}: ok")
                 return 0
+            if args.config_command == "example":
+                from tramprof.commands.config_example import example_toml
+
+                print(example_toml(), end="")
+                return 0
             for name, env, default in describe():
                 print(f"{name:28} {env:38} {default}")
             return 0
+        if args.command == "inject":
+            from tramprof.commands import inject as inject_command
+
+            _setup_logging(args, args.log_level or "warning")
+            return inject_command.main(args)
         if args.command == "metrics":
             from tramprof.export.families import markdown_table
 
             print(markdown_table())
             return 0
+        if args.command == "completion":
+            print(shtab.complete(parser, shell=args.shell), end="")
+            return 0
+        if args.command == "man":
+            from tramprof.commands.manpage import render
+
+            print(render(parser), end="")
+            return 0
     except ConfigError as exc:
-        print(f"tramprof: configuration error: {exc}", file=sys.stderr)
-        return 2
+        # Before logging is set up: in the journal too it is an error.
+        prefix = f"<{PRIORITY_ERROR}>" if stream_is_journal() else ""
+        print(f"{prefix}tramprof: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except KeyboardInterrupt:
         return 130
-    return 2
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -39,7 +39,11 @@ class ProcessTable(Generic[T]):
     the requested identity, before and after building the state.
 
     * exit: the pid's state is dropped;
-    * exec: the state is dropped (new address space) and rebuilt on demand;
+    * exec: the state is dropped (new address space) and rebuilt on demand,
+      unless it was built after that exec: events are applied late (after
+      the next drain), and state built meanwhile for the new image (a
+      process looked at on its first sample) has the exec signature /proc
+      shows now;
     * fork: nothing (a stale entry under a reused pid is replaced on the
       next ``get_or_create`` and removed by ``resync``);
     * ``resync()``: drops entries whose process is gone, whose pid was
@@ -128,8 +132,21 @@ class ProcessTable(Generic[T]):
 
     def on_event(self, event: ProcessEvent) -> None:
         """Apply a lifecycle event (see the class docstring)."""
-        if event.kind in ("exit", "exec"):
+        if event.kind == "exit" or (event.kind == "exec" and not self._current(event.pid)):
             self.drop(event.pid)
+
+    def _current(self, pid: int) -> bool:
+        """Whether the state held for ``pid`` was built for the image it runs
+        now (same process, same visible exec signature)."""
+        entry = self._entries.get(pid)
+        if entry is None or entry.signature is None:
+            return False
+        try:
+            stat = read_stat(pid, self._proc_root)
+        except (ProcessGone, OSError, ValueError):
+            return False
+        return (stat.start_ticks == entry.start_ticks and not stat.is_dead
+                and stat.exec_signature == entry.signature)
 
     def drop(self, pid: int) -> bool:
         """Drop whatever state is held for ``pid``; True if there was some."""
