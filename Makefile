@@ -11,7 +11,7 @@ TEST_STAMP := $(VENV)/.tramprof-test-deps
 # own test suite, perf) and debootstrap for the other interpreters' roots.
 PYVER := $(shell $(PYTHON_SYSTEM) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 TEST_PACKAGES := prometheus chromium python3-cffi python3-dev libpython$(PYVER)-testsuite \
-	debootstrap linux-perf binutils openssl
+	debootstrap linux-perf binutils openssl g++ golang-go libc6-dbg zlib1g-dev man-db
 PYTEST_ARGS ?=
 
 .PHONY: setup run test test-unit test-privileged test-system test-tools lint bench clean
@@ -39,8 +39,8 @@ test: setup $(TEST_STAMP) test-tools lint
 
 # A real systemd in systemd-nspawn running the unit from deploy/systemd.
 test-system: setup
-	@if [ "$$(id -u)" = 0 ]; then sh deploy/install-deps.sh systemd-container debootstrap; fi
-	$(BIN)/python -m pytest -m system tests/e2e/test_systemd.py $(PYTEST_ARGS)
+	@if [ "$$(id -u)" = 0 ]; then sh deploy/install-deps.sh systemd-container debootstrap podman buildah runc prometheus; fi
+	$(BIN)/python -m pytest -m system tests/e2e/test_systemd.py tests/e2e/test_container.py $(PYTEST_ARGS)
 
 # Linters for the deployment manifests, kept out of the project venv (checkov
 # pins versions that conflict with the test tools).

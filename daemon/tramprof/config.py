@@ -39,41 +39,144 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Config:
+    # HTTP address for /metrics, /profile, /healthz and the flame graph page:
+    # "HOST:PORT" or "[IPv6]:PORT". 127.0.0.1 serves only this host; use
+    # "0.0.0.0:9947" (or the host's address) for a Prometheus elsewhere, and then
+    # consider TLS and basic authentication (below).
     listen: str = DEFAULT_LISTEN
+    # Samples per second on every CPU, 1..10000. 99 (odd) avoids running in
+    # lock-step with 100/250/1000 Hz timer ticks; sampling costs well under 1% of
+    # a CPU at this rate.
     frequency: int = DEFAULT_FREQUENCY
+    # Seconds between drains of the in-kernel counters, 0.1..3600. Each drain
+    # names the new stacks and updates /metrics; /healthz turns unhealthy after 3
+    # intervals + 5 s without one.
     interval: float = DEFAULT_INTERVAL
+    # Process ids to profile; empty means every process on the host. Pids are
+    # those of the initial pid namespace (as `ps` on the host shows them).
     pids: tuple[int, ...] = ()
+    # Perf event that triggers a sample: "cycles" (hardware PMU), "cpu-clock"
+    # (software timer, works in VMs without a virtual PMU) or "auto" (cycles where
+    # available, else cpu-clock).
     event: str = "auto"
+    # Entries of the BPF map that counts samples per (process, thread, kernel
+    # stack, user stack) in one interval, 64..4194304. Samples that do not fit are
+    # counted in tramprof_lost_samples_total{reason="counts_map_full"}: raise this
+    # if that grows.
     max_keys: int = 16384
+    # Distinct user stacks in one interval, 64..4194304; samples past it are
+    # counted in tramprof_lost_samples_total{reason="user_stacks_map_full"}.
     max_user_stacks: int = 16384
+    # Kernel stack map entries, 64..4194304. A full or colliding bucket loses the
+    # sample's kernel stack ([kernel stack lost]; counted in
+    # tramprof_kernel_stacks_lost_total{reason="collision"}), not the sample.
     max_kernel_stacks: int = 8192
+    # Stack bytes scanned, from the sampled stack pointer up, for the return
+    # addresses of trampolines tramprof does not control (CPython 3.12+ -X perf):
+    # a multiple of 512 up to 262144. A Python frame takes ~0.5 KiB of native
+    # stack on CPython 3.13, so 65536 reaches ~130 frames deep; deeper stacks lose
+    # their root-side frames (tramprof_scan_windows_exhausted_total). Run time per
+    # sample grows with the bytes actually scanned (benchmarks/bench_unwind.py).
     scan_window_bytes: int = 65536
+    # Trampoline arena pages one process may install in the BPF maps, 16..65536;
+    # a process asking for more is refused, counted in
+    # tramprof_unwind_refusals_total{reason="map_full"}, and unwound by frame
+    # pointers.
     max_stub_pages_per_process: int = DEFAULT_STUB_PAGES
+    # Where procfs is read: the sampled processes' /proc/PID files and
+    # /proc/kallsyms. Sampled pids are those of the initial pid namespace, so this
+    # must be a procfs of that namespace (the host's /proc, or a copy of it
+    # mounted elsewhere).
     proc_root: str = "/proc"
+    # "debug", "info", "warning" or "error". Logs go to stderr (the journal
+    # under systemd, `kubectl logs` on Kubernetes).
     log_level: str = "info"
+    # What makes a process group, the unit of the stack and function series:
+    # one or more of "comm" (process name), "exe" (executable path),
+    # "container_id" and "pod_uid" (from the process's cgroup) and "pid". Each
+    # group has its own hottest stacks and functions; its series carry `process`
+    # (the name) and a label for each choice but comm. "pid" makes a group of
+    # every process: for looking at one host, not for a fleet. README.md
+    # ("Grouping") shows how to join pod_uid with kube-state-metrics.
     group_by: tuple[str, ...] = ("comm",)
+    # Stacks of a process group that get a series of their own (the hottest),
+    # 1..10000; the others are counted in stack="[other]".
     stack_series_per_group: int = 20
+    # Functions of a process group that get series (self and total; those with
+    # the most total samples), 1..10000; the others' self samples are counted in
+    # function="[other]".
     function_series_per_group: int = 50
+    # Stack and function series of all groups together, [other] included,
+    # 10..10000000. Past it new stacks and functions go to [other], counted in
+    # tramprof_dropped_series_total{reason="budget"}. A scraper's sample_limit
+    # must leave room for it, max_process_series and ~100 more self-metric
+    # series (deploy/prometheus/).
     max_series: int = 10000
+    # Process names that get their own tramprof_samples_total series,
+    # 10..1000000; samples of any others are counted under process="[other]".
     max_process_series: int = 1000
+    # Memory for the perf map and jitdump indexes of all processes together,
+    # in bytes (1 MiB..64 GiB). Past it, the least recently sampled processes'
+    # indexes are dropped (their JIT frames stay unnamed for ten minutes):
+    # tramprof_symbol_memory_bytes and tramprof_symbol_evictions_total show it.
     symbol_memory_bytes: int = 128 << 20
+    # Kernel memory for unwind tables of native code without frame pointers
+    # (rows compiled from .eh_frame, loaded for objects seen in samples and
+    # evicted least recently sampled first); 0 turns the tables off.
+    unwind_table_bytes: int = 64 << 20
     # "UID:GID" a root daemon switches to once started, keeping only the
     # capabilities it needs; "" keeps the uid (capabilities are dropped anyway).
     run_as: str = "65534:65534"
+    # Longest stack or function label, in UTF-8 bytes, 64..65536. A longer
+    # stack keeps its leaf end and starts with "…;", a longer name ends in "…"
+    # (counted in tramprof_dropped_series_total{reason="label_too_long"}). A
+    # scraper's label_value_length_limit must allow it.
     max_label_bytes: int = 1024
+    # Seconds without samples after which a stack, function or process series
+    # is removed and its budget freed, 1..604800: how exited processes and gone
+    # stacks leave /metrics.
     series_expiry: float = 600.0
+    # Seconds of drained windows kept for /profile, 1..86400.
     profile_retention: float = 300.0
+    # PEM certificate (chain) to serve HTTPS with; set together with
+    # tls_key_file. "" serves plain HTTP.
     tls_cert_file: str = ""
+    # PEM private key of tls_cert_file.
     tls_key_file: str = ""
+    # User name HTTP basic authentication asks for on every endpoint but
+    # /healthz; set together with basic_auth_password_file. "" turns it off.
     basic_auth_user: str = ""
+    # File holding basic_auth_user's password (surrounding white space is
+    # ignored); readable by the daemon only.
     basic_auth_password_file: str = ""
-    # HTTP limits: a request's head must arrive within this many seconds;
-    # connections and concurrent profile renderings are capped; a loopback
-    # listener accepts only loopback Host names and these.
+    # Seconds a connection has to send its whole request head, 0.1..3600;
+    # slower clients are cut off.
     http_request_timeout: float = 10.0
+    # Connections served at once, 1..65536; more are answered 503 and closed.
     http_max_connections: int = 64
+    # /profile and flame graph renderings at once, 1..65536; more are answered
+    # 429 with Retry-After.
     http_max_profile_requests: int = 2
+    # Host names, addresses or networks (10.0.0.0/8) requests may name in
+    # their Host header besides localhost and loopback addresses. A loopback
+    # listener answers only those (against DNS rebinding from a browser on the
+    # host); with entries here, any listener does.
     http_allowed_hosts: tuple[str, ...] = ()
+    # Automatic injection (``tramprof inject`` on a process's first sample): off
+    # while every selector is empty; a process must match each non-empty one.
+    # inject_comm: process names; inject_exe: globs on the executable path;
+    # inject_cgroup: globs on the cgroup path; inject_container: container id
+    # prefixes ("*": any process in a container). At most one injection per
+    # inject_interval seconds, once per process image.
+    inject_comm: tuple[str, ...] = ()
+    inject_exe: tuple[str, ...] = ()
+    inject_cgroup: tuple[str, ...] = ()
+    inject_container: tuple[str, ...] = ()
+    inject_interval: float = 1.0
+    # How long an injection waits for the target to run the activation.
+    inject_timeout: float = 5.0
+    # Prebuilt runtimes for CPython 3.9-3.11 (_runtime-cp3X.so); "" = shipped ones.
+    inject_runtime_dir: str = ""
 
     def run_as_ids(self) -> tuple[int, int] | None:
         """(uid, gid) of ``run_as``, None to keep the uid."""
@@ -146,6 +249,7 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "max_series": _range(10, 10_000_000),
     "max_process_series": _range(10, 1_000_000),
     "symbol_memory_bytes": _range(1 << 20, 1 << 36, " (bytes)"),
+    "unwind_table_bytes": lambda v: "" if v == 0 else _range(1 << 20, 1 << 34, " (bytes)")(v),
     "run_as": lambda v: "" if v == "" or (v.count(":") == 1 and all(
         p.isascii() and p.isdigit() and int(p) < 1 << 32 for p in v.split(":")))
     else 'must be "UID:GID" (numbers) or "" to keep the uid',
@@ -155,11 +259,15 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "http_request_timeout": _range(0.1, 3600, " (seconds)"),
     "http_max_connections": _range(1, 65536),
     "http_max_profile_requests": _range(1, 65536),
+    "inject_interval": _range(0.01, 3600, " (seconds)"),
+    "inject_timeout": _range(0.1, 600, " (seconds)"),
 }
 
 # The type each setting takes in TOML; tuples are lists of the element type.
 _KINDS: dict[str, type] = {f.name: type(f.default) for f in fields(Config)}
-_ELEMENTS: dict[str, type] = {"pids": int, "group_by": str, "http_allowed_hosts": str}
+_ELEMENTS: dict[str, type] = {"pids": int, "group_by": str, "http_allowed_hosts": str,
+                              "inject_comm": str, "inject_exe": str, "inject_cgroup": str,
+                              "inject_container": str}
 
 
 def _coerce(key: str, value: Any) -> Any:
@@ -217,7 +325,8 @@ def from_environment(environ: Mapping[str, str], base: Config | None = None) -> 
 
 
 # Variables of the same prefix that are not daemon settings.
-_NOT_SETTINGS = frozenset({"TRAMPROF_TRAMPOLINES", "TRAMPROF_TRAMPOLINES_JITDUMP"})
+_NOT_SETTINGS = frozenset({"TRAMPROF_TRAMPOLINES", "TRAMPROF_TRAMPOLINES_JITDUMP",
+                           "TRAMPROF_INJECT_PAUSE_AT"})
 
 
 def load_file(path: str) -> Config:

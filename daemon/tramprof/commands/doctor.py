@@ -192,8 +192,27 @@ def check_process(pid: int, proc_root: str = "/proc") -> list[Check]:
                         f"{len(files)} executable file mappings, {len(anon)} anonymous "
                         "executable mappings (JIT code or trampolines)"))
     checks.append(check_unwinding_mode(pid, maps, proc_root))
+    checks.append(check_native_unwinding(pid, maps, proc_root))
+    checks.append(check_injection(pid, proc_root))
     checks.extend(check_jit_files(pid, proc_root, expect=bool(anon)))
     return checks
+
+
+def check_injection(pid: int, proc_root: str = "/proc") -> Check:
+    """Could ``tramprof inject`` (or the daemon's inject policy) turn
+    trampolines on in this process, and how; nothing is changed."""
+    from tramprof.inject.target import PEP768_FROM, Refused, inspect
+
+    try:
+        target = inspect(pid, proc_root)
+    except Refused as refused:
+        fine = refused.reason in ("already_active", "not_cpython", "self")
+        return Check("injection", fine, f"not injectable: {refused.reason}: {refused.detail}",
+                     "see README, Injection", warning=not fine)
+    how = "PEP 768 remote execution" if target.version >= PEP768_FROM else \
+        "a ptrace-scheduled pending call"
+    return Check("injection", True, f"CPython {target.version_text}: `tramprof inject "
+                 f"{pid}` would use {how}")
 
 
 def check_unwinding_mode(pid: int, maps: list[Any], proc_root: str = "/proc") -> Check:
@@ -207,6 +226,31 @@ def check_unwinding_mode(pid: int, maps: list[Any], proc_root: str = "/proc") ->
     report = modes.report(pid)
     return Check("unwinding mode", not report.problem, f"{report.mode}: {report.detail}",
                  report.problem, warning=bool(report.problem))
+
+
+def check_native_unwinding(pid: int, maps: list[Any], proc_root: str = "/proc",
+                           timeout: float = 120.0) -> Check:
+    """Which of the process's objects keep frame pointers, which get an unwind
+    table and why one cannot: their call-frame information is compiled here
+    as the daemon would (nothing is loaded)."""
+    from tramprof.config import Config
+    from tramprof.unwind.mode import DryRunMaps
+    from tramprof.unwind.tables import TableMode
+
+    mode = TableMode(DryRunMaps(), Config().unwind_table_bytes, proc_root)
+    try:
+        mode.consider(pid, maps)
+        mode.want_all(pid)
+        mode.refresh({pid})
+        mode.wait_for_builds(timeout)
+        mode.refresh({pid})
+        report = mode.report(pid)
+    finally:
+        mode.close()
+    if report is None:
+        return Check("native unwinding", True, "no executable objects to look at")
+    return Check("native unwinding", not report.problem, report.detail, report.problem,
+                 warning=bool(report.problem))
 
 
 _REFUSAL_FIX = {

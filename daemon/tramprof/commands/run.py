@@ -16,13 +16,17 @@ from collections.abc import Callable
 from dataclasses import replace
 from types import FrameType
 
-from prometheus_client.registry import CollectorRegistry
-
-from tramprof.commands.privileges import DEFAULT_RUN_AS, PrivilegeError, drop_after_start
+from tramprof.commands.privileges import (
+    DEFAULT_RUN_AS,
+    PrivilegeError,
+    check_start_capabilities,
+    drop_after_start,
+)
 from tramprof.commands.sdnotify import Notifier
 from tramprof.config import Config, ConfigError
-from tramprof.export.collector import Consistent, ProfilerCollector
+from tramprof.export.collector import ProfilerCollector, daemon_registry
 from tramprof.export.http import HttpSecurity, MetricsServer
+from tramprof.export.recorder import Recorder
 from tramprof.export.series import SeriesConfig, SeriesTracker
 from tramprof.export.store import ProfileStore
 from tramprof.model import Profile, Stack
@@ -57,9 +61,10 @@ class Daemon:
         self._snapshot = ProfilerStats()
         self.series = SeriesTracker(series_config(config), self._metadata)
         self._publish_lock = threading.Lock()
-        registry = CollectorRegistry(auto_describe=True)
-        registry.register(Consistent([ProfilerCollector(lambda: self._snapshot), self.series],
-                                     self._publish_lock))
+        registry = daemon_registry([ProfilerCollector(lambda: self._snapshot), self.series],
+                                   self._publish_lock)
+        # Drains on demand for /debug/pprof/profile (Go's next-N-seconds profile).
+        self.recorder = Recorder(lambda: self.config.frequency)
         security = HttpSecurity.from_files(config.tls_cert_file, config.tls_key_file,
                                            config.basic_auth_user,
                                            config.basic_auth_password_file)
@@ -69,7 +74,8 @@ class Daemon:
                                     request_timeout=config.http_request_timeout,
                                     max_connections=config.http_max_connections,
                                     max_profile_requests=config.http_max_profile_requests,
-                                    allowed_hosts=config.http_allowed_hosts)
+                                    allowed_hosts=config.http_allowed_hosts,
+                                    recorder=self.recorder)
 
     def _metadata(self, stack: Stack) -> ProcessMetadata:
         return self.profiler.registry.metadata(stack.pid) or ProcessMetadata(
@@ -96,8 +102,9 @@ class Daemon:
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_reload)
         try:
+            check_start_capabilities(self._run_as)
             self.profiler.start()
-        except SamplerError as exc:
+        except (PrivilegeError, SamplerError) as exc:
             log.error("%s", exc)
             self.notifier.notify(STATUS=f"failed: {str(exc).splitlines()[0]}")
             self.server.close()
@@ -118,7 +125,8 @@ class Daemon:
         next_drain = time.monotonic() + self.config.interval
         try:
             while not self._stop:
-                self.profiler.wait(min(next_drain - time.monotonic(), 1.0))
+                self.profiler.wait(min(next_drain - time.monotonic(), 1.0),
+                                   (self.recorder.fileno(),))
                 # From the main loop, so a stuck loop stops the pings and
                 # systemd restarts the service.
                 self.notifier.watchdog_if_due()
@@ -127,7 +135,7 @@ class Daemon:
                     self.notifier.reloading()
                     self.reload()
                     self.notifier.ready(self._status())
-                if time.monotonic() >= next_drain:
+                if time.monotonic() >= next_drain or self.recorder.drain_due():
                     try:
                         self.drain()
                     except Exception:
@@ -136,6 +144,7 @@ class Daemon:
                     next_drain = time.monotonic() + self.config.interval
         finally:
             self.notifier.stopping("detaching BPF programs")
+            self.recorder.close()
             self.profiler.close()
             self.server.close()
         log.info("stopped")
@@ -156,16 +165,35 @@ class Daemon:
         drop_after_start(self._run_as)
 
     def drain(self) -> None:
-        stacks = self.profiler.collect()
-        snapshot = self.profiler.stats.copy()
-        with self._publish_lock:
-            self.series.add(stacks, time.monotonic())
-            self._snapshot = snapshot
+        self.recorder.drain_started()
+        # The kernel buffers flip as collect() begins: the window ends here.
         now_ns = time.time_ns()
-        self.store.add(Profile(tuple(stacks), self._window_start_ns,
-                               now_ns - self._window_start_ns, self.config.frequency))
-        self._window_start_ns = now_ns
-        self._last_drain = time.monotonic()
+        window = None
+        try:
+            stacks = self.profiler.collect()
+            snapshot = self.profiler.stats.copy()
+            with self._publish_lock:
+                self.series.add(stacks, time.monotonic())
+                self._snapshot = snapshot
+            window = Profile(tuple(stacks), self._window_start_ns,
+                             now_ns - self._window_start_ns, self.config.frequency,
+                             self._process_labels(stacks))
+            self.store.add(window)
+            self._window_start_ns = now_ns
+            self._last_drain = time.monotonic()
+        finally:
+            self.recorder.drain_finished(window)
+
+    def _process_labels(self, stacks: list[Stack]) -> dict[int, dict[str, str]]:
+        """The container labels profiles carry per pid (pprof sample labels)."""
+        labels = {}
+        for pid in {stack.pid for stack in stacks}:
+            metadata = self.profiler.registry.metadata(pid)
+            if metadata is not None and (metadata.container_id or metadata.pod_uid):
+                labels[pid] = {name: value for name, value in (
+                    ("container_id", metadata.container_id), ("pod_uid", metadata.pod_uid))
+                    if value}
+        return labels
 
     def reload(self) -> None:
         """Re-read the configuration; apply what can change without a restart."""

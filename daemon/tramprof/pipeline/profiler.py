@@ -12,16 +12,19 @@ and every other process carry on.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import select
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
+from typing import Protocol
 
 from tramprof.config import Config
+from tramprof.inject.policy import AutoInjector
 from tramprof.model import RawSample, Stack
-from tramprof.pipeline.frames import stack_frames
+from tramprof.pipeline.frames import UserLocator, UserResolver, located_frames
 from tramprof.pipeline.stats import ProcessSamples, ProfilerStats
 from tramprof.procfs.events import open_event_source
 from tramprof.sampler.layout import Counter as BpfCounter
@@ -31,6 +34,7 @@ from tramprof.symbols.kallsyms import KernelSymbols
 from tramprof.unwind.chain import ChainMode
 from tramprof.unwind.mode import FP, MapWriter, UnwindModes
 from tramprof.unwind.scan import ScanMode
+from tramprof.unwind.tables import TableMode, TableWriter
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +50,21 @@ def sampler_config(config: Config) -> SamplerConfig:
                          max_kernel_stacks=config.max_kernel_stacks,
                          scan_bytes=config.scan_window_bytes,
                          max_stub_pages_per_process=config.max_stub_pages_per_process,
+                         unwind_table_bytes=config.unwind_table_bytes,
                          max_targets=max(4096, len(config.pids)))
 
 
-def unwind_modes(maps: MapWriter, proc_root: str = "/proc") -> UnwindModes:
+class ModeWriter(MapWriter, TableWriter, Protocol):
+    """What the modes write through: the sampler, or ``DryRunMaps``."""
+
+
+def unwind_modes(maps: ModeWriter, proc_root: str = "/proc",
+                 unwind_table_bytes: int = 0) -> UnwindModes:
     """Every trampoline mode, in order of preference: our runtime's chain is
-    exact and cheap, so it wins over scanning the same process's stack."""
-    return UnwindModes([ChainMode(maps, proc_root), ScanMode(maps, proc_root)])
+    exact and cheap, so it wins over scanning the same process's stack; and
+    unwind tables under both for native code without frame pointers."""
+    native = [TableMode(maps, unwind_table_bytes, proc_root)] if unwind_table_bytes else []
+    return UnwindModes([ChainMode(maps, proc_root), ScanMode(maps, proc_root)], native)
 
 
 class ProcessErrors:
@@ -108,8 +120,9 @@ class Profiler:
         self.registry = ProcessRegistry(proc_root=config.proc_root,
                                         failures=self.stats.symbolization_failures)
         self.events = open_event_source(log)
-        self.unwinders = unwind_modes(self.sampler, config.proc_root)
+        self.unwinders = unwind_modes(self.sampler, config.proc_root, config.unwind_table_bytes)
         self.errors = ProcessErrors()
+        self.injector = AutoInjector(config)  # inject_* settings; off by default
         # pid -> the maps generation its unwinding modes last looked at.
         self._considered: dict[int, int] = {}
         self._sampled: dict[int, ProcessImage] = {}
@@ -129,12 +142,13 @@ class Profiler:
             fds.append(fd)
         return fds
 
-    def wait(self, timeout: float) -> None:
-        """Sleep until ``timeout`` passes or a process event arrives, then handle
-        events: a process sampled for the first time must be looked at while it
-        still runs, which may be only milliseconds."""
+    def wait(self, timeout: float, wake_fds: Sequence[int] = ()) -> None:
+        """Sleep until ``timeout`` passes, a process event arrives or one of
+        ``wake_fds`` is readable, then handle events: a process sampled for the
+        first time must be looked at while it still runs, which may be only
+        milliseconds."""
         with contextlib.suppress(InterruptedError):
-            select.select(self.event_fds(), [], [], max(0.0, timeout))
+            select.select([*self.event_fds(), *wake_fds], [], [], max(0.0, timeout))
         self.poll_process_events()
 
     def poll_process_events(self) -> None:
@@ -147,6 +161,8 @@ class Profiler:
                 image = self.registry.warm(tgid, start, exec_id)
                 if image is not None:
                     self._consider(tgid, image)
+            self.injector.offer(tgid, start, exec_id)
+        self._look_again(self.injector.take_injected())
         events = self.events.read_events()
         for event in events:
             self.stats.process_events[event.kind] += 1
@@ -165,6 +181,16 @@ class Profiler:
         mappings = symbolizer.mappings
         self._considered[pid] = symbolizer.maps_generation
         self.unwinders.consider(pid, mappings)
+
+    def _look_again(self, images: list[tuple[int, int, int]]) -> None:
+        """Injected processes now have stubs (or a runtime): re-read their
+        maps so the unwinding modes see them."""
+        for tgid, start, exec_id in images:
+            with self.errors.boundary(tgid, "new_process", partial(self._drop, tgid)):
+                image = self.registry.warm(tgid, start, exec_id)
+                if image is not None and image.symbolizer is not None:
+                    image.symbolizer.reload_maps()
+                    self._consider(tgid, image)
 
     def _drop(self, pid: int) -> None:
         """Roll back what the modes installed for a process that failed."""
@@ -195,6 +221,7 @@ class Profiler:
         stacks = []
         for sample in samples:
             try:
+                self.unwinders.note_sample(sample)
                 stacks.append(self._symbolize(sample))
             except Exception:
                 # A bug in one stack must not stop the daemon; count it, keep the rest.
@@ -226,6 +253,10 @@ class Profiler:
         self.stats.unwind_samples = self.unwind_samples(bpf)
         self.stats.unwind_refusals = self.unwinders.errors()
         self.stats.process_errors = Counter(self.errors.by_stage)
+        self.stats.injections = self.injector.snapshot()
+        for native in self.unwinders.native:
+            if isinstance(native, TableMode):
+                self.stats.unwind_tables = copy.deepcopy(native.stats)
         self.stats.drains += 1
         self.stats.last_drain_seconds = time.monotonic() - began
         self.stats.symbol_memory_bytes = self.registry.enforce_memory_budget(
@@ -242,26 +273,33 @@ class Profiler:
         out = {mode.name: bpf.get(mode.sample_counter, 0) for mode in self.unwinders.modes}
         out[FP] = max(0, bpf.get(BpfCounter.RECORDED, 0) - sum(out.values())
                         - bpf.get(BpfCounter.KERNEL_THREAD, 0))
+        # Native modes work under the trampoline modes: their samples overlap.
+        out.update({mode.name: bpf.get(mode.sample_counter, 0)
+                    for mode in self.unwinders.native})
         return out
 
     def _symbolize(self, sample: RawSample) -> Stack:
-        user = None
+        user: UserResolver | None = None
+        locate: UserLocator | None = None
         process = sample.comm
         if sample.user_frames:
             process, image = self.registry.image(sample.tgid, sample.start_boottime_ns,
                                                  sample.exec_id, sample.comm)
-            user = image.resolve if image else None
             if image is not None:
+                user, locate = image.resolve, image.locate
                 self._sampled[sample.tgid] = image
-        frames = stack_frames(sample, user, self.kernel.resolve,
-                              self.stats.symbolization_failures,
-                              self.unwinders.arenas(sample.tgid))
+        frames, sources = located_frames(sample, user, locate, self.kernel.resolve,
+                                         self.stats.symbolization_failures,
+                                         self.unwinders.arenas(sample.tgid))
         return Stack(pid=sample.tgid, process=process, comm=sample.comm, frames=frames,
-                     count=sample.count)
+                     count=sample.count, sources=sources)
 
     def bpf_counters(self) -> dict[BpfCounter, int]:
         return self.sampler.counters()
 
     def close(self) -> None:
+        self.injector.close()
+        for native in self.unwinders.native:
+            native.close()
         self.sampler.close()
         self.events.close()

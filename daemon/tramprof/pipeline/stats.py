@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tramprof.sampler.layout import Counter as BpfCounter
+from tramprof.unwind.tables import TableStats
 
 #: Where samples of process names beyond the cap are counted.
 OTHER_PROCESSES = "[other]"
@@ -80,6 +81,10 @@ class ProfilerStats:
     symbol_evictions: int = 0
     # Failures inside the per-process error boundary, by stage.
     process_errors: Counter[str] = field(default_factory=Counter)
+    # Automatic injections (inject_* settings) by result.
+    injections: Counter[str] = field(default_factory=Counter)
+    # Unwind tables for native code without frame pointers.
+    unwind_tables: TableStats = field(default_factory=TableStats)
 
     def copy(self) -> ProfilerStats:
         return copy.deepcopy(self)
