@@ -371,16 +371,21 @@ class Sampler:
         self._stats_fd = fd
 
     def run_time(self) -> tuple[int, int] | None:
-        """(nanoseconds, runs) of the sampling program, from the kernel's fdinfo."""
-        if self._bpf is None or self._stats_fd is None:
+        """(nanoseconds, runs) of the sampling program, from the kernel's fdinfo.
+        The kernel counts while anyone asks it to: this daemon (with
+        CAP_SYS_ADMIN) or the host (sysctl kernel.bpf_stats_enabled=1)."""
+        if self._bpf is None:
             return None
         try:
             fd = self._bpf.funcs[b"on_sample"].fd
             with open(f"/proc/self/fdinfo/{fd}") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
-            return int(fields["run_time_ns"]), int(fields["run_cnt"])
+            ns, runs = int(fields["run_time_ns"]), int(fields["run_cnt"])
         except (OSError, KeyError, ValueError):
             return None
+        if self._stats_fd is None and runs == 0:
+            return None  # nobody has the statistics on
+        return ns, runs
 
     def counters(self) -> dict[Counter, int]:
         """Cumulative BPF-side counters, summed over CPUs."""
@@ -408,20 +413,6 @@ class Sampler:
         if self._tables is None:
             raise SamplerError("the sampler is not started")
         return self._tables
-
-    def run_times(self) -> dict[str, tuple[int, int]]:
-        """(nanoseconds, runs) of every loaded program, by name."""
-        out: dict[str, tuple[int, int]] = {}
-        if self._bpf is None or self._stats_fd is None:
-            return out
-        for name, func in self._bpf.funcs.items():
-            try:
-                with open(f"/proc/self/fdinfo/{func.fd}") as f:
-                    fields = dict(line.split(":", 1) for line in f if ":" in line)
-                out[name.decode()] = (int(fields["run_time_ns"]), int(fields["run_cnt"]))
-            except (OSError, KeyError, ValueError):
-                continue
-        return out
 
     # The unwinding modes' map writer (unwind.mode.MapWriter): they exist
     # before the program is loaded, the maps only after.
