@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
@@ -46,13 +47,27 @@ def test_known_chain_is_exact(targets, start_target):
     assert good / total >= 0.95, sorted(stacks.items(), key=lambda kv: -kv[1])[:5]
 
 
+def wait_until_sampling(pid: int, timeout: float = 60.0) -> None:
+    """Until the process holds perf events (the BPF program is attached)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            links = []
+        if any("perf_event" in link for link in links):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the recorder never attached its perf events")
+
+
 def test_short_lived_processes_are_symbolized(targets):
     """Processes that live 20 ms are named: the daemon reads their maps and
     binaries when they are first sampled, not at the next drain."""
     recorder = subprocess.Popen(
         [TRAMPROF, "record", "--all", "--duration", "8", "--frequency", "999"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2)  # the BPF program compiles and attaches
+    wait_until_sampling(recorder.pid)
     subprocess.run(["/bin/sh", "-c",
                     f"for i in $(seq 100); do {targets / 'chain'} 0.02 >/dev/null; done"],
                    check=True, timeout=60)

@@ -112,7 +112,7 @@ class _Sym:
     size: int
     shndx: int
     name: str
-    rank: tuple[int, int, int, int, int, int, int]
+    rank: tuple[int, int, int, int, int, int]
 
 
 class ElfSymbols:
@@ -412,15 +412,16 @@ def _read_symtab(
         if end <= st_name:  # empty name, or st_name beyond the string table
             continue
         name = strtab[st_name:end].decode("utf-8", "backslashreplace")
+        if "@" in name[1:]:
+            # A symbol version (__libc_start_main@@GLIBC_2.34) is not part of
+            # the function's name: callers and flame graphs know it without.
+            name = name[:name.index("@", 1)]
         if thumb:
             value &= ~1
         bind = st_info >> 4
         rank = (
             source,
             0 if size else 1,
-            # A symbol-versioned alias (__libc_start_main@@GLIBC_2.34) names
-            # the same code as its plain name, which perf shows.
-            1 if "@" in name else 0,
             1 if bind == _STB_WEAK else 0,
             1 if bind == _STB_LOCAL else 0,
             len(name) - len(name.lstrip("_")),
