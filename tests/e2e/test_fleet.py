@@ -15,15 +15,11 @@ is measured and reported (``-s`` shows it).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
-import subprocess
 import threading
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,11 +28,12 @@ import pytest
 import yaml
 
 from tests.conftest import requires_root
+from tests.e2e.prometheus import PROMETHEUS, PrometheusServer, free_port
 from tests.e2e.test_daemon import (
     Daemon,
     daemon,  # noqa: F401  (fixture)
 )
-from tests.e2e.test_prometheus_scrape import PROMETHEUS, free_port, wait_for
+from tests.e2e.test_prometheus_scrape import wait_for
 from tests.unit.test_dashboard import all_panels, load_dashboard, substitute_with
 
 pytestmark = [requires_root, pytest.mark.skipif(
@@ -49,69 +46,6 @@ FREQUENCY = 199
 CHAIN = "main;chain_a;chain_b;chain_c"
 # Grafana's values for a 1 s scrape interval and a 30 s time range.
 RATE_INTERVAL = "10s"
-
-
-class PrometheusServer:
-    """A Prometheus process on a free port, with its log kept for failures."""
-
-    def __init__(self, workdir: Path, name: str, port: int, config: dict[str, Any],
-                 args: list[str], env: dict[str, str] | None = None) -> None:
-        self.port = port
-        config_path = workdir / f"{name}.yml"
-        config_path.write_text(yaml.safe_dump(config))
-        self.log = (workdir / f"{name}.log").open("w+")
-        assert PROMETHEUS is not None
-        self.proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={config_path}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {self.logs()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"prometheus not ready within 20 s: {self.logs()}")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def logs(self) -> str:
-        self.log.seek(0)
-        return str(self.log.read()[-3000:])
-
-    def get(self, path: str, **params: str | list[str]) -> Any:
-        query = urllib.parse.urlencode(params, doseq=True)
-        with urllib.request.urlopen(f"{self.url}{path}?{query}", timeout=10) as r:
-            body = json.load(r)
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
-        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
-        data = self.get("/api/v1/query", **params)
-        return list(data["result"])
-
-    def metrics_text(self) -> str:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
-            return str(r.read().decode())
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def central_config(port: int) -> dict[str, Any]:

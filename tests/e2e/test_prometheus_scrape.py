@@ -9,9 +9,7 @@ Needs no root.
 
 from __future__ import annotations
 
-import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -27,9 +25,9 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from tramprof.export.series import SeriesConfig, SeriesTracker
 from tramprof.model import Stack
 
+from tests.e2e.prometheus import PROMETHEUS, PrometheusServer, free_port
 from tests.unit.test_dashboard import dashboard_expressions
 
-PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 pytestmark = pytest.mark.skipif(
     PROMETHEUS is None or PROMTOOL is None,
@@ -44,12 +42,6 @@ FEED = [
     ("worker", ("main", "loop", "warm_function"), 10),
     ("worker", ("main", "loop", "[kernel stack lost]"), 1),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class QuietHandler(WSGIRequestHandler):
@@ -91,60 +83,24 @@ class Exporter:
             t.join(5)
 
 
-class Prometheus:
+class Prometheus(PrometheusServer):
+    """Scrapes the exporter every second into a temporary TSDB."""
+
     def __init__(self, workdir: Path, target_port: int) -> None:
-        self.port = free_port()
-        config = workdir / "prometheus.yml"
-        config.write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-            "scrape_configs:\n  - job_name: tramprof\n"
-            f"    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n")
-        self.log = (workdir / "prometheus.log").open("w+")
-        assert PROMETHEUS is not None
-        self.proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {self.logs()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"prometheus not ready within 15 s: {self.logs()}")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def logs(self) -> str:
-        self.log.seek(0)
-        return str(self.log.read()[-3000:])
+        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+                  "scrape_configs": [{"job_name": "tramprof", "static_configs": [
+                      {"targets": [f"127.0.0.1:{target_port}"]}]}]}
+        super().__init__(workdir, "prometheus", free_port(), config,
+                         [f"--storage.tsdb.path={workdir / 'data'}"])
+        self.wait_ready()
 
     def api(self, path: str, **params: str) -> Any:
-        query = urllib.parse.urlencode(params)
-        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=5) as r:
-            body = json.load(r)
-        assert body["status"] == "success", body
-        return body["data"]
+        return self.get(f"/api/v1/{path}", **params)
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        data = self.api("query", query=expr)
-        assert data["resultType"] == "vector", data
-        return list(data["result"])
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        result = super().query(expr, at)
+        assert isinstance(result, list)
+        return result
 
 
 @pytest.fixture

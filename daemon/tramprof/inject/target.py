@@ -26,7 +26,7 @@ from tramprof.model import SymbolizationError
 from tramprof.procfs.identity import read_nstgid, read_start_ticks
 from tramprof.procfs.maps import Mapping, read_maps
 from tramprof.procfs.memory import MemoryReadError, read_memory
-from tramprof.symbols.safeopen import Refusal, open_mapped_object, open_untrusted
+from tramprof.symbols.safeopen import Refusal, open_mapping, open_untrusted
 from tramprof.unwind.descriptor import EXTENSION_RE, DescriptorError, read_descriptor
 
 # Refusal reasons, exported as the ``result`` label of tramprof_injections_total.
@@ -119,18 +119,11 @@ def _read_status_ids(pid: int, proc_root: str) -> tuple[int, int]:
 
 
 def _open_object(pid: int, mapping: Mapping, proc_root: str) -> BinaryIO:
-    candidates: list[tuple[str, str | None]] = [
-        (f"{proc_root}/{pid}/map_files/{mapping.start:x}-{mapping.end:x}", None)]
-    if not mapping.is_deleted:
-        candidates.append((mapping.path, f"{proc_root}/{pid}/root"))
-    errors = []
-    for path, root in candidates:
-        opened = open_mapped_object(path, root=root)
-        if isinstance(opened, Refusal):
-            errors.append(f"{path}: {opened.reason}")
-            continue
-        return opened[0]
-    raise OSError("cannot open the interpreter's ELF file: " + "; ".join(errors))
+    errors: list[str] = []
+    opened = open_mapping(f"{proc_root}/{pid}", mapping, errors)
+    if opened is None:
+        raise OSError("cannot open the interpreter's ELF file: " + "; ".join(errors))
+    return opened
 
 
 def _elf_facts(f: BinaryIO) -> tuple[int, dict[str, int], int | None] | None:

@@ -221,8 +221,8 @@ class Sampler:
         if pids is not None:
             self.set_targets(pids)
         self._write_config()
-        self._load_scan_program(BPF)
-        self._load_table_program(BPF)
+        self._load_tail_program(BPF, b"scan_step", b"scan_programs")
+        self._load_tail_program(BPF, b"table_step_run", b"table_programs")
         self._maps = ProcessMaps(self._bpf, self.config.max_stub_pages_per_process)
         if self.config.unwind_table_bytes:
             # Chunks are created as objects show up, after CAP_BPF is dropped.
@@ -235,27 +235,18 @@ class Sampler:
         self._enable_run_time_stats()
         _release_compiler_memory()
 
-    def _load_scan_program(self, bpf_class: Any) -> None:
-        """The stack scan runs as its own program, tail-called from the
-        sampling program (and by itself, one slice of the window per run)."""
+    def _load_tail_program(self, bpf_class: Any, name: bytes, slot_array: bytes) -> None:
+        """A walker that runs as its own program, tail-called from the
+        sampling program (and by itself, one slice of its work per run): the
+        stack scan, the unwind-table walk."""
         with _captured_stderr() as out:
             try:
-                scan = self._bpf.load_func(b"scan_step", bpf_class.PERF_EVENT)
+                program = self._bpf.load_func(name, bpf_class.PERF_EVENT)
             except Exception as exc:
                 detail = "\n".join((out[0] if out else "").strip().splitlines()[-20:])
-                raise SamplerError(f"BPF scan program failed to load: {exc}\n{detail}") from exc
-        self._bpf.get_table(b"scan_programs")[ctypes.c_int(0)] = ctypes.c_int(scan.fd)
-
-    def _load_table_program(self, bpf_class: Any) -> None:
-        """The unwind-table walk runs as its own program, tail-called from
-        the sampling program (and by itself, a few frames per run)."""
-        with _captured_stderr() as out:
-            try:
-                walk = self._bpf.load_func(b"table_step_run", bpf_class.PERF_EVENT)
-            except Exception as exc:
-                detail = "\n".join((out[0] if out else "").strip().splitlines()[-20:])
-                raise SamplerError(f"BPF table walk failed to load: {exc}\n{detail}") from exc
-        self._bpf.get_table(b"table_programs")[ctypes.c_int(0)] = ctypes.c_int(walk.fd)
+                raise SamplerError(f"BPF program {name.decode()} failed to load: {exc}\n"
+                                   f"{detail}") from exc
+        self._bpf.get_table(slot_array)[ctypes.c_int(0)] = ctypes.c_int(program.fd)
 
     def _open_new_process_events(self) -> None:
         def on_event(cpu: int, data: Any, size: int) -> None:

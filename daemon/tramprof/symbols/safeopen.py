@@ -289,14 +289,15 @@ def open_mapped_object(path: str, *, root: str | None = None
     return os.fdopen(fd, "rb"), st
 
 
-def open_mapping(proc: str, m: Mapping) -> BinaryIO | None:
+def open_mapping(proc: str, m: Mapping, refusals: list[str] | None = None) -> BinaryIO | None:
     """The object behind one mapping of a process, the way the process sees it.
 
     ``proc`` is ``/proc/PID``. ``/proc/PID/root`` + path gives the
     container's view of the file; the inode check rejects a file replaced
     since it was mapped. Deleted files, memfds and mismatches go through
     ``map_files``, which always opens the object that is actually mapped
-    (needs CAP_SYS_ADMIN). None: neither way opened it.
+    (needs CAP_SYS_ADMIN). None: neither way opened it (the reasons are
+    appended to ``refusals``).
     """
     candidates: list[tuple[str, str | None]] = []
     if not m.is_deleted and not m.is_memfd:
@@ -305,10 +306,14 @@ def open_mapping(proc: str, m: Mapping) -> BinaryIO | None:
     for path, root in candidates:
         opened = open_mapped_object(path, root=root)
         if isinstance(opened, Refusal):
+            if refusals is not None:
+                refusals.append(f"{root or ''}{path}: {opened.reason} {opened.detail}".rstrip())
             continue
         f, st = opened
         if root is not None and m.inode and st.st_ino != m.inode:
             f.close()
+            if refusals is not None:
+                refusals.append(f"{root}{path}: replaced since it was mapped")
             continue
         return f
     return None

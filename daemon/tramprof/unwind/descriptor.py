@@ -27,7 +27,7 @@ from elftools.elf.sections import SymbolTableSection
 from tramprof.model import SymbolizationError
 from tramprof.procfs.maps import Mapping, read_maps
 from tramprof.procfs.memory import MemoryReadError, read_memory
-from tramprof.symbols.safeopen import Refusal, open_mapped_object
+from tramprof.symbols.safeopen import open_mapping
 from tramprof.unwind.arenas import Arenas
 
 MAGIC = b"TRAMPROF"
@@ -100,20 +100,12 @@ def _dynsym_value(f: BinaryIO, name: str) -> tuple[int, int] | None:
 
 
 def _open_extension(pid: int, mapping: Mapping, proc_root: str) -> BinaryIO:
-    """map_files pins the mapped inode; the path under /proc/PID/root works in
-    containers and chroots."""
-    candidates: list[tuple[str, str | None]] = [
-        (f"{proc_root}/{pid}/map_files/{mapping.start:x}-{mapping.end:x}", None)]
-    if not mapping.is_deleted:
-        candidates.append((mapping.path, f"{proc_root}/{pid}/root"))
-    errors = []
-    for path, root in candidates:
-        opened = open_mapped_object(path, root=root)
-        if isinstance(opened, Refusal):
-            errors.append(f"{root or ''}{path}: {opened.reason} {opened.detail}".rstrip())
-            continue
-        return opened[0]
-    raise DescriptorError("cannot read the runtime extension: " + "; ".join(errors))
+    """The extension the process mapped, as it sees it (``open_mapping``)."""
+    errors: list[str] = []
+    opened = open_mapping(f"{proc_root}/{pid}", mapping, errors)
+    if opened is None:
+        raise DescriptorError("cannot read the runtime extension: " + "; ".join(errors))
+    return opened
 
 
 def _read_mem(pid: int, address: int, size: int, proc_root: str = "/proc") -> bytes:
