@@ -21,6 +21,7 @@ from tramprof.commands.privileges import (
     PrivilegeError,
     check_start_capabilities,
     drop_after_start,
+    runtime_capabilities,
 )
 from tramprof.commands.sdnotify import Notifier
 from tramprof.config import Config, ConfigError
@@ -29,6 +30,7 @@ from tramprof.export.http import HttpSecurity, MetricsServer
 from tramprof.export.recorder import Recorder
 from tramprof.export.series import SeriesConfig, SeriesTracker
 from tramprof.export.store import ProfileStore
+from tramprof.inject import policy as inject_policy
 from tramprof.model import Profile, Stack
 from tramprof.pipeline.profiler import Profiler
 from tramprof.pipeline.stats import ProfilerStats
@@ -161,8 +163,13 @@ class Daemon:
         Sampler.set_frequency), and leave uid 0 for ``run_as``. Under
         systemd the daemon already runs as a DynamicUser= and only drops
         capabilities; without capabilities and uid 0 there is nothing to drop.
-        Raises PrivilegeError when the drop fails (the caller stops)."""
-        drop_after_start(self._run_as)
+        With an inject policy, also what placing files in a target's root as
+        its owner needs (``inject.policy.CAPABILITIES``). Raises
+        PrivilegeError when the drop fails (the caller stops)."""
+        keep = None
+        if inject_policy.enabled(self.config):
+            keep = runtime_capabilities() | inject_policy.CAPABILITIES
+        drop_after_start(self._run_as, keep)
 
     def drain(self) -> None:
         self.recorder.drain_started()
