@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -30,16 +32,29 @@ class Daemon:
         self.proc = subprocess.Popen(
             [TRAMPROF, "run", "--listen", f"127.0.0.1:{self.port}", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Read the log as it comes: a full pipe would block the daemon.
+        self.log: collections.deque[str] = collections.deque(maxlen=2000)
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {self.proc.stdout.read()}")
+                self._reader.join(5)
+                raise RuntimeError(f"daemon exited: {self.log_tail()}")
             try:
                 self.get("/healthz")
                 return
             except OSError:
                 time.sleep(0.2)
         raise RuntimeError("daemon did not start serving within 30 s")
+
+    def _read_log(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "".join(list(self.log)[-lines:])
 
     def get(self, path: str) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
