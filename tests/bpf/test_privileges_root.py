@@ -129,7 +129,7 @@ def test_daemon_drops_after_attaching_and_still_serves_stacks(targets, start_tar
     finally:
         code = d.stop()
     assert code == 0
-    assert "capabilities kept: " in d.proc.stdout.read()
+    assert "capabilities kept: " in "".join(d.log)
 
 
 def test_doctor_reports_the_drop_and_samples_after_it(targets, start_target):

@@ -85,6 +85,7 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._reader.join(5)  # the rest of the log
         return self.proc.returncode
 
 
