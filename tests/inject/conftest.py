@@ -4,10 +4,10 @@ runtime built once on the oldest glibc (Debian 11) and cached."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tramprof.inject.injector import default_runtime_dir
 
 from . import namespaces
 from .namespaces import roots
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-SOURCES = REPO / "trampolines" / "src"
-CACHE = Path(os.environ.get("TRAMPROF_TEST_CACHE", "/var/cache/tramprof-test")) / "inject-runtimes"
+BUILDER = REPO / "trampolines" / "build_runtimes.py"
 BUILD_ROOT = "bullseye"   # oldest glibc here (2.31)
 # name -> (root or None for the host, interpreter, version)
 INTERPRETERS = {
@@ -36,43 +36,15 @@ INTERPRETERS = {
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: ptrace, chroots")
 
 
-def _sources_digest() -> str:
-    digest = hashlib.sha256()
-    for name in ("tramprof.c", "tramprof.h", "inject_module.c", "build_injectable.py"):
-        digest.update((SOURCES / name).read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def build_runtimes() -> Path:
-    """_runtime-cp39.so (bullseye's headers) and _runtime-cp311.so (the host's
-    headers), both compiled in the bullseye root; cached by source digest."""
-    out = CACHE / _sources_digest()
-    if (out / "_runtime-cp39.so").exists() and (out / "_runtime-cp311.so").exists():
-        return out
+    """The prebuilt runtimes, built as a release is (trampolines/build_runtimes.py
+    in the Debian 11 root) into the daemon's package data, where `tramprof
+    inject` and the daemon look by default; up to date sources build nothing."""
     root = roots.ensure_root(BUILD_ROOT)
-    work = f"/tmp/tramprof-inject-build-{uuid.uuid4().hex[:8]}"
-    host_work = root / work.lstrip("/")
-    try:
-        shutil.copytree(SOURCES, host_work / "src",
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        (host_work / "inc" / "x86_64-linux-gnu").mkdir(parents=True)
-        shutil.copytree("/usr/include/python3.11", host_work / "inc" / "python3.11")
-        shutil.copytree("/usr/include/x86_64-linux-gnu/python3.11",
-                        host_work / "inc" / "x86_64-linux-gnu" / "python3.11")
-        script = (f"cd {work} && python3 src/build_injectable.py /usr/include/python3.9 "
-                  "-o cp39.so && python3 src/build_injectable.py inc/python3.11 inc -o cp311.so")
-        proc = roots.run_in_root(BUILD_ROOT, ["sh", "-c", script], timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        partial = out.with_suffix(".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        shutil.copy(host_work / "cp39.so", partial / "_runtime-cp39.so")
-        shutil.copy(host_work / "cp311.so", partial / "_runtime-cp311.so")
-        shutil.rmtree(out, ignore_errors=True)
-        partial.rename(out)
-    finally:
-        shutil.rmtree(host_work, ignore_errors=True)
-    return out
+    proc = subprocess.run([sys.executable, str(BUILDER), "--root", str(root)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return default_runtime_dir()
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,9 @@ def test_injected_process_gets_complete_stacks(python: Python, runtime_dir) -> N
         named = [s for s in before if python_frames(s)]
         assert named == [], named[:3]
 
-        result = inject(pid, runtimes=RuntimeStore(runtime_dir))
+        # The runtimes as shipped: the package's own directory, the default.
+        assert runtime_dir == RuntimeStore(None).directory
+        result = inject(pid)
         assert result.ok, result.render()
         expected_mode = "perf" if python.version >= (3, 12) else "chain"
         assert result.mode == expected_mode

@@ -129,7 +129,8 @@ def inject(pid: int, *, off: bool = False, timeout: float = 5.0,
         if runtime is None:
             return Result(pid, UNSUPPORTED_VERSION, "no prebuilt runtime for CPython "
                           f"{target.version[0]}.{target.version[1]} in "
-                          f"{(runtimes or RuntimeStore(None)).directory}", version=version)
+                          f"{(runtimes or RuntimeStore(None)).directory} (a source checkout builds "
+                          "them with `make runtimes`)", version=version)
     try:
         placed = make_private_dir(pid, target.euid, target.egid, proc_root)
     except PlacementError as exc:
