@@ -118,7 +118,7 @@ def test_descriptor_from_another_process(interp: Interp, started: list) -> None:
     assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
     pid = info["pid"]
     d = desc.read_descriptor(pid)
-    assert (d.abi_version, d.arch, d.state, d.writer_pid) == (1, 62, 1, pid)
+    assert (d.abi_version, d.arch, d.state, d.writer_pid) == (2, 62, 1, pid)
     assert (d.stub_size, d.stub_stride, d.stub_return_offset) == (66, 80, 51)
     assert (d.record_prev_offset, d.record_self_offset, d.record_fp_offset) == (0, 8, 16)
     assert d.python_version == info["python"]
@@ -263,7 +263,7 @@ def test_descriptor_layout_matches_header(interp: Interp) -> None:
             "print(json.dumps({'size': ffi.sizeof(t), 'offsets': "
             "{f: ffi.offsetof(t, f) for f, _ in ffi.typeof(t).fields}}))")
     out = json.loads(check(interp.run("-c", code)))
-    assert out["size"] == desc.DESCRIPTOR_SIZE == 136
+    assert out["size"] == desc.DESCRIPTOR_SIZE == 184
     # Offset of each field in the reader's struct format, in order.
     offsets = []
     pos = 0
@@ -274,7 +274,9 @@ def test_descriptor_layout_matches_header(interp: Interp) -> None:
             pos += n if char == "s" else struct.calcsize("<" + char)
     c_offsets = dict(out["offsets"])
     c_offsets["arenas_address"] = c_offsets.pop("arenas")
-    assert [c_offsets[f] for f in desc.FIELDS] == offsets
+    assert [c_offsets[f] for f in (*desc.FIELDS, *desc.DUTY_FIELDS)] == offsets
+    assert c_offsets["duty_ppm"] == desc.DUTY_PPM_OFFSET
+    assert c_offsets["paused"] == desc.PAUSED_OFFSET
 
 
 def test_descriptor_errors(tmp_path: Path) -> None:

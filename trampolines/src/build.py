@@ -35,7 +35,8 @@ ffibuilder.set_source(
     # no .abi3 file name that would let another CPython version load it.
     define_macros=[("_CFFI_NO_LIMITED_API", None), ("TRAMPROF_VERSION", f'"{VERSION}"')],
     py_limited_api=False,
-    extra_compile_args=["-O2", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function"],
+    extra_compile_args=["-O2", "-fno-strict-aliasing", "-Wall", "-Wno-unused-function", "-pthread"],
+    extra_link_args=["-pthread"],
 )
 
 if __name__ == "__main__":

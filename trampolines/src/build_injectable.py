@@ -24,7 +24,7 @@ def main(argv):
     parser.add_argument("-o", "--output", required=True)
     parser.add_argument("--cc", default=os.environ.get("CC", "gcc"))
     args = parser.parse_args(argv)
-    command = [args.cc, "-shared", "-fPIC", "-O2", "-fno-strict-aliasing", "-Wall",
+    command = [args.cc, "-shared", "-fPIC", "-pthread", "-O2", "-fno-strict-aliasing", "-Wall",
                "-Wno-unused-function", "-DTRAMPROF_VERSION=\"%s\"" % VERSION, "-I", HERE]
     for include in args.include:
         command += ["-I", include]

@@ -30,6 +30,7 @@
 #endif
 
 #include <errno.h>
+#include <pthread.h>
 #include <inttypes.h>
 #include <fcntl.h>
 #include <stdarg.h>
@@ -142,6 +143,7 @@ struct tramprof_descriptor tramprof_descriptor = {
     .record_fp_offset = TRAMPROF_RECORD_FP_OFFSET,
 #endif
     .arena_capacity = TRAMPROF_MAX_ARENAS,
+    .duty_ppm = TRAMPROF_DUTY_ALWAYS,
     .runtime_version = "tramprof-trampolines " TRAMPROF_VERSION,
 };
 
@@ -752,11 +754,21 @@ tramprof_assign_stub(PyCodeObject *co)
 #endif
 }
 
+static void tramprof_duty_start(void);
+/* 0: no duty-cycle thread yet, 1: running, -1: could not start one. */
+static int tramprof_duty_state;
+
 /* The PEP 523 hook. */
 static PyObject *
 tramprof_eval(PyThreadState *tstate, tramprof_frame *frame, int throwflag)
 {
     if (tramprof_mode_value == TRAMPROF_MODE_STUBS) {
+        tramprof_descriptor.hook_calls++;   /* under the GIL */
+        if (__builtin_expect(tramprof_duty_state == 0, 0)) {
+            uint32_t duty = __atomic_load_n(&tramprof_descriptor.duty_ppm, __ATOMIC_RELAXED);
+            if (duty != 0 && duty < TRAMPROF_DUTY_ALWAYS)
+                tramprof_duty_start();
+        }
         PyCodeObject *co = tramprof_frame_code(frame);
         if (co != NULL) {
             tramprof_stub_fn stub = (tramprof_stub_fn)tramprof_code_get_stub(co);
@@ -767,6 +779,202 @@ tramprof_eval(PyThreadState *tstate, tramprof_frame *frame, int throwflag)
         }
     }
     return _PyEval_EvalFrameDefault(tstate, frame, throwflag);
+}
+
+/* ------------------------------------------------------------------------
+ * Duty cycle (ABI.md section 8): a profiler that limits the runtime's cost
+ * writes duty_ppm; a thread of ours then takes the hook off and puts it back
+ * (with the GIL) so that it is on for that share of every window, at a
+ * random phase. While it is off, `paused` is 1 and Python calls cost nothing.
+ * ---------------------------------------------------------------------- */
+#define TRAMPROF_DUTY_TICK_NS 100000000ULL     /* the thread looks this often */
+static unsigned tramprof_duty_generation;      /* bumped to retire a thread */
+
+static uint64_t
+tramprof_clock_ns(clockid_t clock)
+{
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* Hook on or off, with the GIL. Leaves any other eval-frame function alone. */
+static void
+tramprof_duty_switch_locked(int on)
+{
+    if (tramprof_mode_value != TRAMPROF_MODE_STUBS || tramprof_interp == NULL)
+        return;
+    _PyFrameEvalFunction current = _PyInterpreterState_GetEvalFrameFunc(tramprof_interp);
+    if (on && tramprof_descriptor.paused) {
+        if (current != _PyEval_EvalFrameDefault)
+            return;
+        _PyInterpreterState_SetEvalFrameFunc(tramprof_interp, tramprof_eval);
+        uint64_t since = tramprof_descriptor.paused_since_ns;
+        uint64_t now = tramprof_clock_ns(CLOCK_MONOTONIC);
+        __atomic_store_n(&tramprof_descriptor.off_ns,
+                         tramprof_descriptor.off_ns + (now > since ? now - since : 0),
+                         __ATOMIC_RELEASE);
+        __atomic_store_n(&tramprof_descriptor.paused_since_ns, 0, __ATOMIC_RELEASE);
+        __atomic_store_n(&tramprof_descriptor.paused, 0, __ATOMIC_RELEASE);
+    } else if (!on && !tramprof_descriptor.paused) {
+        if (current != tramprof_eval)
+            return;
+        /* Paused first: a sample taken from here on names no Python frame. */
+        __atomic_store_n(&tramprof_descriptor.paused_since_ns,
+                         tramprof_clock_ns(CLOCK_MONOTONIC), __ATOMIC_RELEASE);
+        __atomic_store_n(&tramprof_descriptor.paused, 1, __ATOMIC_RELEASE);
+        _PyInterpreterState_SetEvalFrameFunc(tramprof_interp, _PyEval_EvalFrameDefault);
+    }
+}
+
+static int
+tramprof_duty_switch(unsigned generation, int on)
+{
+    if (on == !tramprof_descriptor.paused)
+        return 0;
+    /* During finalisation this never returns (the thread is ended or parked
+     * by CPython), which is what a thread of a dying interpreter should do. */
+    PyGILState_STATE gil = PyGILState_Ensure();
+    if (generation == __atomic_load_n(&tramprof_duty_generation, __ATOMIC_ACQUIRE))
+        tramprof_duty_switch_locked(on);
+    PyGILState_Release(gil);
+    return 0;
+}
+
+/* Sleeps ``ns``; 0 when the thread was retired meanwhile. */
+static int
+tramprof_duty_sleep(unsigned generation, uint64_t ns)
+{
+    while (1) {
+        if (generation != __atomic_load_n(&tramprof_duty_generation, __ATOMIC_ACQUIRE))
+            return 0;
+        if (ns == 0)
+            return 1;
+        uint64_t step = ns < TRAMPROF_DUTY_TICK_NS ? ns : TRAMPROF_DUTY_TICK_NS;
+        struct timespec ts = {(time_t)(step / 1000000000ULL), (long)(step % 1000000000ULL)};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+            ;
+        ns -= step;
+    }
+}
+
+static void *
+tramprof_duty_main(void *arg)
+{
+    unsigned generation = (unsigned)(uintptr_t)arg;
+    unsigned seed = (unsigned)getpid() ^ (unsigned)tramprof_clock_ns(CLOCK_MONOTONIC);
+    while (1) {
+        uint32_t duty = __atomic_load_n(&tramprof_descriptor.duty_ppm, __ATOMIC_RELAXED);
+        uint64_t window = __atomic_load_n(&tramprof_descriptor.window_us, __ATOMIC_RELAXED);
+        window = (window ? window : 1000000) * 1000ULL;
+        if (window < 10000000ULL)
+            window = 10000000ULL;               /* 10 ms .. 60 s */
+        if (window > 60000000000ULL)
+            window = 60000000000ULL;
+        if (duty == 0 || duty >= TRAMPROF_DUTY_ALWAYS) {
+            tramprof_duty_switch(generation, 1);
+            if (!tramprof_duty_sleep(generation, TRAMPROF_DUTY_TICK_NS))
+                return NULL;
+            continue;
+        }
+        /* On for duty * window, starting at a random point of the window. */
+        uint64_t on = window / 1000 * duty / 1000;
+        uint64_t start = (uint64_t)rand_r(&seed) % (window - on + 1);
+        if (start > 0) {
+            tramprof_duty_switch(generation, 0);
+            if (!tramprof_duty_sleep(generation, start))
+                return NULL;
+        }
+        tramprof_duty_switch(generation, 1);
+        if (!tramprof_duty_sleep(generation, on))
+            return NULL;
+        if (window - start - on > 0) {
+            tramprof_duty_switch(generation, 0);
+            if (!tramprof_duty_sleep(generation, window - start - on))
+                return NULL;
+        }
+    }
+}
+
+/* With the GIL (from the hook): the profiler asked for a duty cycle. */
+static void
+tramprof_duty_start(void)
+{
+    pthread_t thread;
+    pthread_attr_t attr;
+    unsigned generation = __atomic_add_fetch(&tramprof_duty_generation, 1, __ATOMIC_ACQ_REL);
+    tramprof_duty_state = -1;
+    if (pthread_attr_init(&attr) != 0)
+        return;
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 64 * 1024);
+    if (pthread_create(&thread, &attr, tramprof_duty_main,
+                       (void *)(uintptr_t)generation) == 0)
+        tramprof_duty_state = 1;
+    pthread_attr_destroy(&attr);
+}
+
+/* With the GIL: retire the thread (it ends at its next tick) and make sure
+ * the hook is on again, so the caller sees the plain active state. */
+static void
+tramprof_duty_stop_locked(void)
+{
+    __atomic_add_fetch(&tramprof_duty_generation, 1, __ATOMIC_ACQ_REL);
+    if (tramprof_duty_state == 1)
+        tramprof_duty_state = 0;
+    tramprof_duty_switch_locked(1);
+}
+
+/* Extra CPU time of one Python-to-Python call through the hook and a stub,
+ * against the default evaluator: best of a few rounds of a short recursion.
+ * Only the profiler reads it (to turn its budget into a duty cycle). */
+static void
+tramprof_calibrate(PyInterpreterState *interp)
+{
+    /* fib(12): 465 calls, at most 12 deep, like call-heavy Python code. */
+    enum { DEPTH = 12, FIB_CALLS = 465, CALLS = 20, ROUNDS = 7 };
+    PyObject *globals = PyDict_New();
+    PyObject *code = Py_CompileString(
+        "def _tramprof_calibrate(n):\n"
+        "    return n if n < 2 else _tramprof_calibrate(n - 1) + _tramprof_calibrate(n - 2)\n",
+        "<tramprof calibration>", Py_file_input);
+    PyObject *depth = PyLong_FromLong(DEPTH);
+    uint64_t best[2] = {UINT64_MAX, UINT64_MAX};
+    if (globals != NULL && code != NULL && depth != NULL &&
+        PyDict_SetItemString(globals, "__builtins__", PyEval_GetBuiltins()) == 0) {
+        PyObject *done = PyEval_EvalCode(code, globals, globals);
+        PyObject *fn = done ? PyDict_GetItemString(globals, "_tramprof_calibrate") : NULL;
+        Py_XDECREF(done);
+        for (int round = 0; fn != NULL && round < ROUNDS; round++) {
+            for (int on = 0; on < 2; on++) {
+                _PyInterpreterState_SetEvalFrameFunc(
+                    interp, on ? tramprof_eval : _PyEval_EvalFrameDefault);
+                uint64_t began = tramprof_clock_ns(CLOCK_THREAD_CPUTIME_ID);
+                for (int i = 0; i < CALLS; i++) {
+                    PyObject *result = PyObject_CallOneArg(fn, depth);
+                    if (result == NULL) {
+                        fn = NULL;
+                        break;
+                    }
+                    Py_DECREF(result);
+                }
+                uint64_t spent = tramprof_clock_ns(CLOCK_THREAD_CPUTIME_ID) - began;
+                if (spent < best[on])
+                    best[on] = spent;
+                if (fn == NULL)
+                    break;
+            }
+        }
+        _PyInterpreterState_SetEvalFrameFunc(interp, _PyEval_EvalFrameDefault);
+        if (fn != NULL && best[1] > best[0])
+            tramprof_descriptor.call_cost_ps =
+                (best[1] - best[0]) * 1000ULL / (uint64_t)(CALLS * FIB_CALLS);
+    }
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    Py_XDECREF(depth);
+    Py_XDECREF(code);
+    Py_XDECREF(globals);
 }
 
 /* ------------------------------------------------------------------------
@@ -793,6 +1001,8 @@ tramprof_activate_locked(int mode, int jitdump, char *err, size_t errlen)
 #endif
     PyInterpreterState *interp = PyThreadState_Get()->interp;
     _PyFrameEvalFunction current = _PyInterpreterState_GetEvalFrameFunc(interp);
+    if (tramprof_mode_value == mode && tramprof_descriptor.paused && interp == tramprof_interp)
+        return 0;   /* active, the duty cycle has the hook off for now */
     if (current == tramprof_eval) {
         if (tramprof_mode_value == mode)
             return 0;
@@ -848,6 +1058,8 @@ tramprof_activate_locked(int mode, int jitdump, char *err, size_t errlen)
     if (mode == TRAMPROF_MODE_STUBS)
         __atomic_store_n(&tramprof_descriptor.state, 1, __ATOMIC_RELEASE);
     tramprof_bump_generation();
+    if (mode == TRAMPROF_MODE_STUBS && tramprof_descriptor.call_cost_ps == 0)
+        tramprof_calibrate(interp);
     _PyInterpreterState_SetEvalFrameFunc(interp, tramprof_eval);
     return 0;
 }
@@ -867,6 +1079,7 @@ tramprof_deactivate(char *err, size_t errlen)
     int rc = 0;
     PyGILState_STATE gil = PyGILState_Ensure();
     PyInterpreterState *interp = PyThreadState_Get()->interp;
+    tramprof_duty_stop_locked();
     _PyFrameEvalFunction current = _PyInterpreterState_GetEvalFrameFunc(interp);
     if (current == tramprof_eval) {
         _PyInterpreterState_SetEvalFrameFunc(interp, _PyEval_EvalFrameDefault);
@@ -890,7 +1103,8 @@ tramprof_is_active(void)
 {
     PyGILState_STATE gil = PyGILState_Ensure();
     int active = tramprof_mode_value != 0 && tramprof_interp != NULL &&
-        _PyInterpreterState_GetEvalFrameFunc(tramprof_interp) == tramprof_eval;
+        (_PyInterpreterState_GetEvalFrameFunc(tramprof_interp) == tramprof_eval ||
+         tramprof_descriptor.paused);
     PyGILState_Release(gil);
     return active;
 }
@@ -921,6 +1135,12 @@ tramprof_after_fork_child(char *err, size_t errlen)
     }
     if (tramprof_jit_wanted)
         tramprof_open_jitdump();
+    /* The duty-cycle thread did not survive the fork: the hook goes back on
+     * (the hook starts a new thread if the child gets a duty cycle too). */
+    tramprof_duty_stop_locked();
+    __atomic_store_n(&tramprof_descriptor.duty_ppm, TRAMPROF_DUTY_ALWAYS, __ATOMIC_RELAXED);
+    __atomic_store_n(&tramprof_descriptor.hook_calls, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&tramprof_descriptor.off_ns, 0, __ATOMIC_RELAXED);
     if (tramprof_descriptor.state != 0 || tramprof_mode_value != 0) {
         tramprof_descriptor.pid = (uint32_t)getpid();
         tramprof_bump_generation();

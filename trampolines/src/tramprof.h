@@ -39,7 +39,16 @@ struct tramprof_descriptor {
     uint64_t generation;            /*  80 bumped when state, pid or arena_count change */
     char runtime_version[32];       /*  88 "tramprof-trampolines X.Y.Z", NUL-terminated */
     char python_version[16];        /* 120 e.g. "3.11.2", NUL-terminated */
-};                                  /* 136 bytes */
+    /* ABI 2: duty cycle (written by the profiler) and its accounting. */
+    uint32_t duty_ppm;              /* 136 share of time the hook is on, millionths; 0 or 1000000: always */
+    uint32_t window_us;             /* 140 length of one on/off window (0: 1 s) */
+    uint32_t paused;                /* 144 1 while the duty cycle has the hook off */
+    uint32_t reserved;              /* 148 */
+    uint64_t hook_calls;            /* 152 Python calls made through stubs */
+    uint64_t off_ns;                /* 160 CLOCK_MONOTONIC time paused, closed pauses */
+    uint64_t paused_since_ns;       /* 168 CLOCK_MONOTONIC start of the current pause, 0 if on */
+    uint64_t call_cost_ps;          /* 176 measured extra cost of one call through the hook */
+};                                  /* 184 bytes */
 
 extern struct tramprof_descriptor tramprof_descriptor;
 
@@ -54,7 +63,8 @@ uint64_t tramprof_stub_for_code(void *code);
 int tramprof_perf_map_path(char *out, size_t outlen);
 /* CDEF END */
 
-#define TRAMPROF_ABI_VERSION 1
+#define TRAMPROF_ABI_VERSION 2
+#define TRAMPROF_DUTY_ALWAYS 1000000
 #define TRAMPROF_MODE_STUBS 1
 #define TRAMPROF_MODE_HOOK_ONLY 2
 
