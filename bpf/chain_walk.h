@@ -36,6 +36,19 @@ static __always_inline int walk_chain(struct tp_user_stack *st, struct tp_stack_
     struct tp_chain_proc *proc = chain_proc_of(&tgid);
     if (!proc || proc->stub_stride == 0)
         return 0;
+    if (proc->paused_addr) {
+        /* The duty cycle has the hook off: records may remain, but frames
+         * entered since have none; name no Python frame at all. The flag
+         * goes into the hash so paused and unpaused stacks stay apart. */
+        __u32 paused = 0;
+        if (bpf_probe_read_user(&paused, sizeof(paused), (void *)proc->paused_addr) == 0 &&
+            paused) {
+            st->flags |= TP_PYTHON_PAUSED;
+            *hash = mix_a(*hash, TP_PYTHON_PAUSED);
+            *check = mix_b(*check, TP_PYTHON_PAUSED);
+            return 1;
+        }
+    }
     __u64 fsbase = read_u64(task + TP_OFF_TASK_FSBASE);
     __u64 head = 0;
     if (bpf_probe_read_user(&head, sizeof(head), (void *)(fsbase + proc->tls_offset))) {

@@ -29,6 +29,7 @@
 #define TP_SCAN_OVERFLOW 0x40     /* scan found more stub return addresses than it keeps */
 #define TP_TABLE_STOP 0x80        /* table walk: code without an unwind rule it can follow */
 #define TP_USTACK_ROOT 0x100      /* table walk: the outermost frame was reached */
+#define TP_PYTHON_PAUSED 0x200    /* chain walk: the runtime's duty cycle has its hook off */
 
 /* Indexes of the per-CPU counters array (cumulative, never reset). */
 enum tp_counter {
@@ -85,6 +86,7 @@ struct tp_chain_proc {
     __s64 tls_offset;     /* chain head's address minus the thread pointer */
     __u32 stub_stride;    /* distance between stubs in an arena */
     __u32 record_self;    /* offset of record.self in a record */
+    __u64 paused_addr;    /* the descriptor's `paused` word (ABI 2), 0 if none */
 };
 
 /* A process whose stubs are found by scanning its stack ("scan" mode: CPython

@@ -124,6 +124,13 @@ class Config:
     # (rows compiled from .eh_frame, loaded for objects seen in samples and
     # evicted least recently sampled first); 0 turns the tables off.
     unwind_table_bytes: int = 64 << 20
+    # Share of a Python process's CPU time its trampoline runtime may cost,
+    # 0..1 (e.g. 0.02); 0 means no budget: the runtime is always on. The daemon
+    # measures each process's cost and switches the runtime's hook on and off
+    # (windows of 1 s at a random phase) to stay within it; samples taken
+    # while it is off carry "[python frames paused]" instead of Python names.
+    # Applies to processes under tramprof_trampolines 0.1 with ABI 2 or later.
+    python_overhead_budget: float = 0.0
     # "UID:GID" a root daemon switches to once started, keeping only the
     # capabilities it needs; "" keeps the uid (capabilities are dropped anyway).
     run_as: str = "65534:65534"
@@ -249,6 +256,7 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "max_series": _range(10, 10_000_000),
     "max_process_series": _range(10, 1_000_000),
     "symbol_memory_bytes": _range(1 << 20, 1 << 36, " (bytes)"),
+    "python_overhead_budget": _range(0, 1),
     "unwind_table_bytes": lambda v: "" if v == 0 else _range(1 << 20, 1 << 34, " (bytes)")(v),
     "run_as": lambda v: "" if v == "" or (v.count(":") == 1 and all(
         p.isascii() and p.isdigit() and int(p) < 1 << 32 for p in v.split(":")))

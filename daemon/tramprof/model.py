@@ -17,6 +17,10 @@ TRUNCATED = "[truncated]"
 # Native frames between the last one the frame-pointer walk reached and the
 # trampoline frames above it could not be unwound (code without frame pointers).
 NATIVE_GAP = "[native frames not unwound]"
+# The process's trampoline runtime was paused by its overhead budget when
+# the sample was taken: native frames only, no Python names (at the root, so
+# paused samples stay together in a flame graph).
+PYTHON_PAUSED = "[python frames paused]"
 KERNEL_LOST = "[kernel stack lost]"
 PROCESS_EXITED = "[process exited]"
 UNKNOWN_KERNEL = "[unknown kernel]"

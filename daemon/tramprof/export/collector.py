@@ -120,6 +120,7 @@ class ProfilerCollector(Collector):
         evictions.add_metric([], stats.symbol_evictions)
         yield evictions
         yield from _table_families(stats, bpf)
+        yield from _duty_families(stats)
         process_errors = _family(fam.PROCESS_ERRORS)
         for stage, count in sorted(stats.process_errors.items()):
             process_errors.add_metric([stage], count)
@@ -227,6 +228,16 @@ def daemon_registry(consistent: Iterable[Collector], lock: threading.Lock,
     registry.register(BuildInfoCollector(build_labels()))
     ProcessCollector(proc=proc_root, registry=registry)
     return registry
+
+
+def _duty_families(stats: ProfilerStats) -> Iterator[Metric]:
+    """Duty cycle and estimated overhead of the trampoline runtimes."""
+    duty, overhead = _family(fam.PYTHON_DUTY_CYCLE), _family(fam.PYTHON_OVERHEAD)
+    for process, (cycle, ratio) in stats.python_duty.items():
+        duty.add_metric([process], cycle)
+        overhead.add_metric([process], ratio)
+    yield duty
+    yield overhead
 
 
 def _table_families(stats: ProfilerStats, bpf: dict[BpfCounter, int]) -> Iterator[Metric]:

@@ -222,6 +222,16 @@ BUILD_INFO = Family(
     "Always 1: the labels say which tramprof runs, on which Python and bcc (bcc_version "
     "empty when not installed).")
 
+PYTHON_DUTY_CYCLE = Family(
+    "tramprof_python_duty_cycle", "gauge", ("process",),
+    "Share of time the trampoline runtime's hook is on in the processes of this name that "
+    "run it (mean over them; 1 = always on), set by python_overhead_budget. Samples taken "
+    "while it is off carry [python frames paused] instead of Python names.")
+PYTHON_OVERHEAD = Family(
+    "tramprof_python_overhead_ratio", "gauge", ("process",),
+    "Estimated share of those processes' time spent in trampolines at their duty cycle "
+    "(mean over them): Python calls through the hook per second, times the extra cost of "
+    "one call that each runtime measures at activation.")
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
     KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS,
@@ -231,7 +241,8 @@ ALL: tuple[Family, ...] = (
     CHAIN_INVALID, SCAN_STALE, SCAN_WINDOWS_EXHAUSTED, SCAN_OVERFLOWS, SCAN_REFUSALS,
     UNWIND_REFUSALS, UNWIND_TABLE_BYTES, UNWIND_TABLE_OBJECTS, UNWIND_TABLE_ROWS,
     UNWIND_TABLE_EVICTIONS, UNWIND_TABLE_BUILDS, UNWIND_TABLE_BUILD_SECONDS, UNWIND_TABLE_STOPS,
-    PROCESS_ERRORS, INJECTIONS, SYMBOL_MEMORY, SYMBOL_EVICTIONS, STACK_SAMPLES,
+    PYTHON_DUTY_CYCLE, PYTHON_OVERHEAD, PROCESS_ERRORS, INJECTIONS, SYMBOL_MEMORY,
+    SYMBOL_EVICTIONS, STACK_SAMPLES,
     FUNCTION_SAMPLES, DROPPED_SERIES, SERIES, BUILD_INFO,
 )
 

@@ -32,6 +32,7 @@ from tramprof.sampler.program import Sampler, SamplerConfig
 from tramprof.symbols.images import ProcessImage, ProcessRegistry
 from tramprof.symbols.kallsyms import KernelSymbols
 from tramprof.unwind.chain import ChainMode
+from tramprof.unwind.descriptor import DUTY_ALWAYS
 from tramprof.unwind.mode import FP, MapWriter, UnwindModes
 from tramprof.unwind.scan import ScanMode
 from tramprof.unwind.tables import TableMode, TableWriter
@@ -54,17 +55,23 @@ def sampler_config(config: Config) -> SamplerConfig:
                          max_targets=max(4096, len(config.pids)))
 
 
+#: Process names with their own duty-cycle gauges (the first, alphabetically).
+MAX_DUTY_SERIES = 200
+
+
 class ModeWriter(MapWriter, TableWriter, Protocol):
     """What the modes write through: the sampler, or ``DryRunMaps``."""
 
 
 def unwind_modes(maps: ModeWriter, proc_root: str = "/proc",
-                 unwind_table_bytes: int = 0) -> UnwindModes:
+                 unwind_table_bytes: int = 0,
+                 python_overhead_budget: float = 0.0) -> UnwindModes:
     """Every trampoline mode, in order of preference: our runtime's chain is
     exact and cheap, so it wins over scanning the same process's stack; and
     unwind tables under both for native code without frame pointers."""
     native = [TableMode(maps, unwind_table_bytes, proc_root)] if unwind_table_bytes else []
-    return UnwindModes([ChainMode(maps, proc_root), ScanMode(maps, proc_root)], native)
+    return UnwindModes([ChainMode(maps, proc_root, python_overhead_budget),
+                        ScanMode(maps, proc_root)], native)
 
 
 class ProcessErrors:
@@ -120,7 +127,9 @@ class Profiler:
         self.registry = ProcessRegistry(proc_root=config.proc_root,
                                         failures=self.stats.symbolization_failures)
         self.events = open_event_source(log)
-        self.unwinders = unwind_modes(self.sampler, config.proc_root, config.unwind_table_bytes)
+        self.unwinders = unwind_modes(self.sampler, config.proc_root, config.unwind_table_bytes,
+                                      config.python_overhead_budget)
+        self._process_names: dict[int, str] = {}  # pid -> process label, for the duty gauges
         self.errors = ProcessErrors()
         self.injector = AutoInjector(config)  # inject_* settings; off by default
         # pid -> the maps generation its unwinding modes last looked at.
@@ -257,6 +266,7 @@ class Profiler:
         for native in self.unwinders.native:
             if isinstance(native, TableMode):
                 self.stats.unwind_tables = copy.deepcopy(native.stats)
+        self.stats.python_duty = self._python_duty(stacks)
         self.stats.drains += 1
         self.stats.last_drain_seconds = time.monotonic() - began
         self.stats.symbol_memory_bytes = self.registry.enforce_memory_budget(
@@ -267,6 +277,27 @@ class Profiler:
             jit.counters, jit.entries, jit.files
         for reason, count in self.registry.symbolization_stats.snapshot().items():
             self.stats.symbolization_failures[reason] = count
+
+    def _python_duty(self, stacks: list[Stack]) -> dict[str, tuple[float, float]]:
+        """Mean duty cycle and estimated overhead per process name."""
+        for stack in stacks:
+            self._process_names[stack.pid] = stack.process
+        by_name: dict[str, list[tuple[float, float]]] = {}
+        for mode in self.unwinders.modes:
+            if not isinstance(mode, ChainMode):
+                continue
+            for pid in list(self._process_names):
+                proc = mode.duty.get(pid)
+                if proc is None:  # not under the runtime (or gone)
+                    del self._process_names[pid]
+                    continue
+                overhead = mode.duty.estimated_overhead(pid)
+                if overhead is not None:
+                    by_name.setdefault(self._process_names[pid], []).append(
+                        (proc.duty_ppm / DUTY_ALWAYS, overhead))
+        return {name: (sum(d for d, _ in values) / len(values),
+                       sum(o for _, o in values) / len(values))
+                for name, values in sorted(by_name.items())[:MAX_DUTY_SERIES]}
 
     def unwind_samples(self, bpf: dict[BpfCounter, int]) -> dict[str, int]:
         """Recorded user stacks by the mode that unwound them; fp is the rest."""

@@ -85,6 +85,9 @@ class ProfilerStats:
     injections: Counter[str] = field(default_factory=Counter)
     # Unwind tables for native code without frame pointers.
     unwind_tables: TableStats = field(default_factory=TableStats)
+    # Processes under the trampoline runtime, by process name: (mean duty
+    # cycle of the hook, mean estimated share of time spent in trampolines).
+    python_duty: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def copy(self) -> ProfilerStats:
         return copy.deepcopy(self)

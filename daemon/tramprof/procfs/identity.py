@@ -67,7 +67,8 @@ class ProcessIdentity:
 
 @dataclass(frozen=True, slots=True)
 class ProcStat:
-    """The fields of ``/proc/PID/stat`` that lifecycle tracking needs."""
+    """The fields of ``/proc/PID/stat`` that lifecycle tracking (and the
+    Python overhead budget: CPU time) need."""
 
     pid: int
     comm: str
@@ -78,6 +79,7 @@ class ProcStat:
     start_code: int
     end_code: int
     start_stack: int
+    cpu_ticks: int = 0     # utime + stime, all threads, in clock ticks
 
     @property
     def exec_signature(self) -> ExecSignature | None:
@@ -162,6 +164,7 @@ def parse_stat(pid: int, data: bytes) -> ProcStat:
         start_code=field(26),
         end_code=field(27),
         start_stack=field(28),
+        cpu_ticks=field(14) + field(15),
     )
 
 

@@ -1,4 +1,4 @@
-"""The one reader of another process's memory (``/proc/PID/mem``).
+"""The one reader (and writer) of another process's memory (``/proc/PID/mem``).
 
 What a process keeps in its memory is the attacker's to choose: a runtime
 descriptor can claim any address or size. Every read therefore goes through
@@ -46,3 +46,31 @@ def read_memory(pid: int, address: int, size: int, proc_root: str = "/proc") -> 
         raise MemoryReadError(f"short read of {path} at {address:#x}: {len(data)} of "
                               f"{size} bytes")
     return data
+
+
+#: The largest single write: the only one written is a 4-byte control word.
+MAX_WRITE_BYTES = 64
+
+
+def write_memory(pid: int, address: int, data: bytes, proc_root: str = "/proc") -> None:
+    """Write ``data`` at ``address`` of process ``pid`` (a control word the
+    process published for profilers to set; raises ``MemoryReadError``).
+    Needs ptrace attach rights: the same uid, or CAP_SYS_PTRACE."""
+    if not 0 < len(data) <= MAX_WRITE_BYTES:
+        raise MemoryReadError(f"refusing to write {len(data)} bytes to process {pid}")
+    if not 0 <= address < 1 << 64:
+        raise MemoryReadError(f"address {address:#x} is outside the address space")
+    path = f"{proc_root}/{pid}/mem"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise MemoryReadError(f"cannot open {path} for writing: {exc.strerror}") from exc
+    try:
+        written = os.pwrite(fd, data, address)
+    except (OSError, OverflowError) as exc:
+        raise MemoryReadError(f"cannot write {path} at {address:#x}: "
+                              f"{getattr(exc, 'strerror', None) or exc}") from exc
+    finally:
+        os.close(fd)
+    if written != len(data):
+        raise MemoryReadError(f"short write to {path} at {address:#x}")

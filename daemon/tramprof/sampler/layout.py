@@ -24,6 +24,7 @@ SCAN_TRUNCATED = 0x20
 SCAN_OVERFLOW = 0x40
 TABLE_STOP = 0x80
 USTACK_ROOT = 0x100
+PYTHON_PAUSED = 0x200
 
 CFA_KIND_BITS = 3
 CFA_KIND_MASK = 7
@@ -92,7 +93,7 @@ class ChainProc(ctypes.Structure):
     """A process running the trampoline runtime (value of ``chain_procs``)."""
 
     _fields_ = [("tls_offset", ctypes.c_int64), ("stub_stride", ctypes.c_uint32),
-                ("record_self", ctypes.c_uint32)]
+                ("record_self", ctypes.c_uint32), ("paused_addr", ctypes.c_uint64)]
 
 
 class ScanProc(ctypes.Structure):

@@ -20,12 +20,19 @@ from tramprof.procfs.maps import Mapping
 from tramprof.sampler import layout
 from tramprof.sampler.maps import MapFull
 from tramprof.unwind.arenas import Arenas
-from tramprof.unwind.descriptor import EXTENSION_RE, Descriptor, DescriptorError, read_descriptor
+from tramprof.unwind.descriptor import (
+    EXTENSION_RE,
+    PAUSED_OFFSET,
+    Descriptor,
+    DescriptorError,
+    read_descriptor,
+)
+from tramprof.unwind.duty import DutyCycle
 from tramprof.unwind.mode import FP, MapWriter, ModeReport
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ABI = 1
+SUPPORTED_ABIS = (1, 2)
 X86_64 = 62
 WALKER = b"chain_procs"
 
@@ -42,8 +49,9 @@ class ChainProcess:
 
 def _unsupported(d: Descriptor) -> str:
     """Why the BPF walker cannot walk this runtime's chain ("": it can)."""
-    if d.abi_version != SUPPORTED_ABI:
-        return f"descriptor ABI {d.abi_version} (this daemon walks {SUPPORTED_ABI})"
+    if d.abi_version not in SUPPORTED_ABIS:
+        return (f"descriptor ABI {d.abi_version} (this daemon walks "
+                f"{', '.join(map(str, SUPPORTED_ABIS))})")
     if d.arch != X86_64:
         return f"architecture {d.arch} (ELF e_machine; only x86-64 is walked)"
     if d.record_prev_offset != 0 or d.record_self_offset != 8:
@@ -60,9 +68,12 @@ class ChainMode:
     sample_counter = layout.Counter.CHAIN_SAMPLES
     name = "chain"
 
-    def __init__(self, maps: MapWriter, proc_root: str = "/proc") -> None:
+    def __init__(self, maps: MapWriter, proc_root: str = "/proc",
+                 python_overhead_budget: float = 0.0) -> None:
         self._maps = maps
         self._proc_root = proc_root
+        #: Duty cycles of the runtimes that have one (ABI 2).
+        self.duty = DutyCycle(python_overhead_budget, proc_root)
         self._procs: dict[int, ChainProcess] = {}
         self._candidates: set[int] = set()  # runtime loaded, maybe not active yet
         self._last_error: dict[int, tuple[str, str]] = {}  # pid -> (reason, detail)
@@ -90,8 +101,10 @@ class ChainMode:
                 self.forget(pid)
             else:
                 self._update(pid)
+                self.duty.update(pid)
 
     def forget(self, pid: int) -> None:
+        self.duty.forget(pid)
         self._candidates.discard(pid)
         self._last_error.pop(pid, None)
         if self._procs.pop(pid, None) is not None:
@@ -105,6 +118,7 @@ class ChainMode:
                     "pid %d: not walking its trampoline chain: %s (%s)", pid, reason, detail)
         self._last_error[pid] = (reason, detail)
         if drop:
+            self.duty.forget(pid)
             if self._procs.pop(pid, None) is not None:
                 self._maps.remove(pid, WALKER)
             self._candidates.discard(pid)
@@ -125,14 +139,19 @@ class ChainMode:
         # Stubs stay on stacks after deactivate(): keep walking what exists.
         active = d.active or (known is not None and known.active)
         if active:
+            # ABI 2: the walker checks the duty cycle's `paused` word first.
+            paused_addr = d.address + PAUSED_OFFSET if d.duty is not None else 0
             record = layout.ChainProc(tls_offset=d.tls_offset, stub_stride=d.stub_stride,
-                                      record_self=d.record_self_offset)
+                                      record_self=d.record_self_offset,
+                                      paused_addr=paused_addr)
             try:
                 self._maps.install(pid, WALKER, record, d.arenas)
             except MapFull as exc:
                 self._fail(pid, "map_full", str(exc), drop=True)
                 return
         self._last_error.pop(pid, None)
+        if d.duty is not None and active:
+            self.duty.track(pid, d.address)
         self._procs[pid] = ChainProcess(generation=d.generation, arenas=d.arenas,
                                         active=active, descriptor=d)
 

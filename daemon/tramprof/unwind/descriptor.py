@@ -8,7 +8,8 @@ the right to read the target's memory (same uid with ptrace access, or root).
 Everything read is the target's to choose: counts are capped, arenas must be
 ordered and disjoint, and any failure is one ``DescriptorError``.
 
-The layout is ABI version 1 of ``trampolines/ABI.md``; this module and the
+The layout is ABI version 2 of ``trampolines/ABI.md`` (version 1, the same
+struct without the duty-cycle fields, is still read); this module and the
 runtime's ``src/tramprof.h`` must change together (a test checks them
 against each other through cffi).
 """
@@ -31,18 +32,29 @@ from tramprof.symbols.safeopen import open_mapping
 from tramprof.unwind.arenas import Arenas
 
 MAGIC = b"TRAMPROF"
-ABI_VERSION = 1
+ABI_VERSION = 2
+#: Versions this reader understands (1: no duty-cycle fields).
+ABI_VERSIONS = (1, 2)
 SYMBOL = "tramprof_descriptor"
 #: Matches the runtime extension's path in /proc/PID/maps.
 EXTENSION_RE = re.compile(r"/tramprof_trampolines/_runtime[^/]*\.so(?: \(deleted\))?$")
 
-# struct tramprof_descriptor, little-endian, 136 bytes.
-_LAYOUT = struct.Struct("<8s6Iq2IiIQ2I2Q32s16s")
+# struct tramprof_descriptor, little-endian: 136 bytes in ABI 1, 184 in ABI 2.
+_LAYOUT_V1 = struct.Struct("<8s6Iq2IiIQ2I2Q32s16s")
+_DUTY = struct.Struct("<4I4Q")
+_LAYOUT = struct.Struct(_LAYOUT_V1.format + _DUTY.format[1:])
 DESCRIPTOR_SIZE = _LAYOUT.size
+DESCRIPTOR_SIZE_V1 = _LAYOUT_V1.size
 FIELDS = ("magic", "abi_version", "arch", "stub_size", "stub_stride", "stub_return_offset",
           "state", "tls_offset", "record_prev_offset", "record_self_offset",
           "record_fp_offset", "pid", "arenas_address", "arena_count", "arena_capacity",
           "stub_count", "generation", "runtime_version", "python_version")
+DUTY_FIELDS = ("duty_ppm", "window_us", "paused", "reserved", "hook_calls", "off_ns",
+               "paused_since_ns", "call_cost_ps")
+#: Offsets (ABI 2) of the word a profiler writes and of the one BPF reads.
+DUTY_PPM_OFFSET = DESCRIPTOR_SIZE_V1
+PAUSED_OFFSET = DESCRIPTOR_SIZE_V1 + 8
+DUTY_ALWAYS = 1_000_000
 STATES = {0: "inactive", 1: "active", 2: "deactivated"}
 ARCHES = {62: "x86_64", 183: "aarch64"}
 #: Arena table entries read at most (the runtime allocates 64 KiB arenas, so
@@ -77,10 +89,37 @@ class Descriptor:
     runtime_version: str
     python_version: str
     arenas: Arenas
+    duty: DutyState | None = None   # ABI 2 and later
+
 
     @property
     def active(self) -> bool:
         return self.state == 1
+
+
+@dataclass(frozen=True)
+class DutyState:
+    """The duty-cycle words of an ABI 2 descriptor (ABI.md section 8)."""
+
+    duty_ppm: int          # share of time the hook is on, millionths (0: always)
+    paused: bool           # the hook is off right now
+    hook_calls: int        # Python calls made through stubs so far
+    off_ns: int            # time paused (closed pauses), CLOCK_MONOTONIC
+    paused_since_ns: int   # start of the current pause, 0 when on
+    call_cost_ps: int      # measured extra cost of one call through the hook
+
+
+def read_duty(pid: int, address: int, proc_root: str = "/proc") -> DutyState:
+    """The duty-cycle words alone (one small read per drain)."""
+    raw = _read_mem(pid, address + DESCRIPTOR_SIZE_V1, _DUTY.size, proc_root)
+    return _duty(dict(zip(DUTY_FIELDS, _DUTY.unpack(raw), strict=True)))
+
+
+def _duty(values: dict[str, int]) -> DutyState:
+    return DutyState(duty_ppm=values["duty_ppm"], paused=bool(values["paused"]),
+                     hook_calls=values["hook_calls"], off_ns=values["off_ns"],
+                     paused_since_ns=values["paused_since_ns"],
+                     call_cost_ps=values["call_cost_ps"])
 
 
 def _dynsym_value(f: BinaryIO, name: str) -> tuple[int, int] | None:
@@ -147,15 +186,18 @@ def _cstr(raw: bytes) -> str:
 def read_descriptor(pid: int, proc_root: str = "/proc") -> Descriptor:
     """Read and validate the descriptor of process *pid*."""
     address, path = find_descriptor_address(pid, proc_root)
+    duty: DutyState | None = None
     for _attempt in range(5):
-        raw = _read_mem(pid, address, DESCRIPTOR_SIZE, proc_root)
-        values = dict(zip(FIELDS, _LAYOUT.unpack(raw), strict=True))
+        raw = _read_mem(pid, address, DESCRIPTOR_SIZE_V1, proc_root)
+        values = dict(zip(FIELDS, _LAYOUT_V1.unpack(raw), strict=True))
         if values["magic"] != MAGIC:
             raise DescriptorError(f"bad magic {values['magic']!r} at {address:#x} in "
                                   f"process {pid}")
-        if values["abi_version"] != ABI_VERSION:
+        if values["abi_version"] not in ABI_VERSIONS:
             raise DescriptorError(f"unsupported descriptor ABI version {values['abi_version']} "
-                                  f"(this reader: {ABI_VERSION})")
+                                  f"(this reader: {', '.join(map(str, ABI_VERSIONS))})")
+        if values["abi_version"] >= 2:
+            duty = read_duty(pid, address, proc_root)
         count = min(values["arena_count"], values["arena_capacity"])
         if count > MAX_ARENAS:
             raise DescriptorError(f"process {pid} claims {count} arenas (at most "
@@ -183,7 +225,7 @@ def read_descriptor(pid: int, proc_root: str = "/proc") -> Descriptor:
         arenas_address=values["arenas_address"], arena_capacity=values["arena_capacity"],
         stub_count=values["stub_count"], generation=values["generation"],
         runtime_version=_cstr(values["runtime_version"]),
-        python_version=_cstr(values["python_version"]), arenas=arenas)
+        python_version=_cstr(values["python_version"]), arenas=arenas, duty=duty)
 
 
 def read_chain(pid: int, descriptor: Descriptor, thread_pointer: int,

@@ -9,7 +9,7 @@ names the caller; trampoline frames are stub starts, looked up as they are.
 
 from __future__ import annotations
 
-from tramprof.model import NATIVE_GAP, RawSample
+from tramprof.model import NATIVE_GAP, PYTHON_PAUSED, RawSample
 from tramprof.sampler import layout
 from tramprof.unwind.arenas import Arenas
 
@@ -21,10 +21,16 @@ def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
     A stub's own native frame is dropped: its trampoline frame, named from
     the perf map, stands in. Where the native walk stopped below trampoline
     frames, or the table walk stopped at code without unwind rules, one
-    ``NATIVE_GAP`` marker says native frames are missing.
+    ``NATIVE_GAP`` marker says native frames are missing. A sample taken while
+    the runtime's duty cycle had its hook off ends in ``PYTHON_PAUSED``.
     """
     native = [(sp, ip if i == 0 else ip - 1) for i, (ip, sp) in enumerate(sample.user_frames)]
     stopped = bool(sample.user_flags & layout.TABLE_STOP)
+    if sample.user_flags & layout.PYTHON_PAUSED:
+        # Stubs still on the stack would name some Python frames and not
+        # others: none are named, one marker says why.
+        kept = [addr for _sp, addr in native if stubs is None or addr not in stubs]
+        return kept + ([NATIVE_GAP] if stopped else []) + [PYTHON_PAUSED]
     if not sample.trampoline_frames or stubs is None:
         # The table walk stopped at code it has no rule for: say so at the root.
         return [addr for _sp, addr in native] + ([NATIVE_GAP] if stopped else [])
