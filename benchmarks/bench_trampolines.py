@@ -6,11 +6,19 @@ Configurations (each a fresh interpreter per measurement):
   hook-only  the PEP 523 hook calling the default evaluator, no stubs
   stubs      the full runtime (hook + per-code-object stub + TLS chain)
   -X perf    CPython's builtin perf trampoline (3.12+ only)
+  budget     the full runtime under `tramprof run` with python_overhead_budget
+             (--budget, default 0.05; root): the daemon duty-cycles the hook.
+             Measured in a second pass, alternating with its own "off" runs
+             under the same daemon (the budget applies to every runtime the
+             daemon sees, so it cannot run next to "stubs"); its ratio is
+             against that pass's "off". Workers run 20 warm-up values first,
+             in both passes, so the duty cycle has settled (the daemon drains
+             every 0.25 s) before values count.
 
 Interpreters: the host's /usr/bin/python3.11 and, with --root NAME (root
 needed), a Debian chroot from tests/trampolines/roots.py, e.g. trixie (3.13).
 
-    python benchmarks/bench_trampolines.py [--rounds 5] [--root trixie]
+    python benchmarks/bench_trampolines.py [--rounds 5] [--root trixie] [--budget 0.05]
 
 Benchmarks are pyperformance's own run_benchmark.py files, run with pyperf in
 worker mode (`--worker -l LOOPS -w 1 -n 3`), loops calibrated once with the
@@ -36,8 +44,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "trampolines"))
 import roots  # noqa: E402
+from common import Daemon  # noqa: E402
 
 CACHE = Path(os.environ.get("TRAMPROF_BENCH_CACHE", "/var/cache/tramprof-test/bench"))
+#: Warm-up values per worker (discarded): the budget's duty cycle settles meanwhile.
+WARMUPS = 20
 PYPERFORMANCE_BENCHES = ["nbody", "richards", "float", "chaos", "deltablue", "go", "raytrace",
                          "json_dumps"]
 ROOT_PYTHONS = {"trixie": "python3.13", "bullseye": "python3.9", "sid": "python3.14",
@@ -124,7 +135,7 @@ def bench_once(target: Target, bench: str, loops: int, xargs: list[str], env: di
     """Mean seconds per loop iteration of one worker process."""
     out = f"{target.work}/out-{bench}.json"
     argv = [target.python, *xargs, f"{target.work}/benches/{bench}/run_benchmark.py",
-            "--worker", "-l", str(loops), "-w", "1", "-n", "3", "-o", out]
+            "--worker", "-l", str(loops), "-w", str(WARMUPS), "-n", "3", "-o", out]
     proc = target.run(argv, env)
     if proc.returncode != 0:
         raise SystemExit(f"{bench} failed on {target.name}:\n{proc.stderr[-3000:]}")
@@ -150,11 +161,10 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def measure(target: Target, rounds: int) -> None:
-    cfgs = configs(target)
+def run_rounds(target: Target, cfgs: dict[str, tuple[list[str], dict[str, str]]],
+               benches: list[str], loops: dict[str, int], rounds: int, label: str,
+               ) -> dict[tuple[str, str], list[float]]:
     names = list(cfgs)
-    benches = ["fib", *PYPERFORMANCE_BENCHES]
-    loops = {b: calibrate(target, b) for b in benches}
     times: dict[tuple[str, str], list[float]] = {}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]  # rotate: A/B alternation
@@ -163,12 +173,41 @@ def measure(target: Target, rounds: int) -> None:
                 xargs, env = cfgs[cfg]
                 times.setdefault((bench, cfg), []).append(
                     bench_once(target, bench, loops[bench], xargs, env, cfg))
-        print(f"  round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+        print(f"  {label} round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    return times
+
+
+def measure(target: Target, rounds: int, budget: float) -> None:
+    cfgs = configs(target)
+    names = list(cfgs)
+    benches = ["fib", *PYPERFORMANCE_BENCHES]
+    loops = {b: calibrate(target, b) for b in benches}
+    times = run_rounds(target, cfgs, benches, loops, rounds, "plain")
+    if budget and os.geteuid() != 0:
+        print("budget pass skipped: the daemon needs root", file=sys.stderr)
+        budget = 0.0
+    if budget:
+        with tempfile.NamedTemporaryFile("w", suffix=".toml") as config:
+            config.write(f"python_overhead_budget = {budget}\n")
+            config.flush()
+            daemon = Daemon("--config", config.name, "--interval", "0.25")
+            try:
+                under = run_rounds(target, {"off": cfgs["off"], "budget": cfgs["stubs"]},
+                                   benches, loops, rounds, f"budget {budget}")
+            finally:
+                daemon.stop()
+        name = f"budget {budget:g}"
+        names.append(name)
+        for bench in benches:
+            # Scaled to the plain pass's "off" by this pass's own "off".
+            scale = statistics.median(times[(bench, "off")]) / \
+                statistics.median(under[(bench, "off")])
+            times[(bench, name)] = [t * scale for t in under[(bench, "budget")]]
 
     version = target.run([target.python, "-c", "import sys; print(sys.version.split()[0])"],
                          env={}).stdout.strip()
     print(f"\n{target.name}: Python {version}, {rounds} rounds, median of per-process means")
-    header = f"{'benchmark':<12} {'off':>10}" + "".join(f" {n:>10}" for n in names[1:])
+    header = f"{'benchmark':<12} {'off':>10}" + "".join(f" {n:>11}" for n in names[1:])
     print(header)
     print("-" * len(header))
     ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
@@ -179,11 +218,11 @@ def measure(target: Target, rounds: int) -> None:
             ratio = statistics.median(times[(bench, cfg)]) / base
             if bench != "fib":
                 ratios[cfg].append(ratio)
-            row += f" {(ratio - 1) * 100:>+9.1f}%"
+            row += f" {(ratio - 1) * 100:>+10.1f}%"
         print(row)
     row = f"{'geomean*':<12} {'':>10}"
     for cfg in names[1:]:
-        row += f" {(geomean(ratios[cfg]) - 1) * 100:>+9.1f}%"
+        row += f" {(geomean(ratios[cfg]) - 1) * 100:>+10.1f}%"
     print("-" * len(header))
     print(row)
     print("* geometric mean over the pyperformance subset (fib excluded)")
@@ -195,6 +234,8 @@ def main() -> int:
     parser.add_argument("--root", action="append", default=[],
                         help="also measure inside this Debian root (trixie = 3.13)")
     parser.add_argument("--no-host", action="store_true")
+    parser.add_argument("--budget", type=float, default=0.05,
+                        help="python_overhead_budget of the budget pass (0: no such pass)")
     args = parser.parse_args()
     unpacked = fetch_wheels()
     with tempfile.TemporaryDirectory(prefix="bench-trampolines-") as tmp:
@@ -209,7 +250,7 @@ def main() -> int:
             for target in targets:
                 print(f"preparing {target.name}", file=sys.stderr, flush=True)
                 prepare(target, unpacked)
-                measure(target, args.rounds)
+                measure(target, args.rounds, args.budget)
         finally:
             for target in targets:
                 if target.root:
