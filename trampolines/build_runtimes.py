@@ -138,7 +138,8 @@ def build(root: Path, output: Path, *, force: bool = False) -> dict[str, object]
             os.chmod(partial / name, 0o644)
             info["glibc"] = "%d.%d" % needed
             info["sha256"] = hashlib.sha256((work / name).read_bytes()).hexdigest()
-        manifest = {"sources": digest, "root_glibc_newest_symbols": "%d.%d" % glibc, "runtimes": built}
+        manifest = {"sources": digest, "root_glibc_newest_symbols": "%d.%d" % glibc,
+                    "runtimes": built}
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         shutil.rmtree(output, ignore_errors=True)
         partial.rename(output)
