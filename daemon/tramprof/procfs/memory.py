@@ -23,18 +23,23 @@ class MemoryReadError(OSError):
     or a size beyond ``MAX_READ_BYTES``)."""
 
 
+def _open_mem(pid: int, address: int, flags: int, proc_root: str) -> tuple[int, str]:
+    """(fd, path) of ``/proc/PID/mem`` after the address check."""
+    if not 0 <= address < 1 << 64:
+        raise MemoryReadError(f"address {address:#x} is outside the address space")
+    path = f"{proc_root}/{pid}/mem"
+    try:
+        return os.open(path, flags | os.O_CLOEXEC), path
+    except OSError as exc:
+        raise MemoryReadError(f"cannot open {path}: {exc.strerror}") from exc
+
+
 def read_memory(pid: int, address: int, size: int, proc_root: str = "/proc") -> bytes:
     """Exactly ``size`` bytes at ``address`` of process ``pid``."""
     if not 0 <= size <= MAX_READ_BYTES:
         raise MemoryReadError(f"refusing to read {size} bytes of process {pid}'s memory "
                               f"(at most {MAX_READ_BYTES})")
-    if not 0 <= address < 1 << 64:
-        raise MemoryReadError(f"address {address:#x} is outside the address space")
-    path = f"{proc_root}/{pid}/mem"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise MemoryReadError(f"cannot open {path}: {exc.strerror}") from exc
+    fd, path = _open_mem(pid, address, os.O_RDONLY, proc_root)
     try:
         data = os.pread(fd, size, address)
     except (OSError, OverflowError) as exc:
@@ -58,13 +63,7 @@ def write_memory(pid: int, address: int, data: bytes, proc_root: str = "/proc") 
     Needs ptrace attach rights: the same uid, or CAP_SYS_PTRACE."""
     if not 0 < len(data) <= MAX_WRITE_BYTES:
         raise MemoryReadError(f"refusing to write {len(data)} bytes to process {pid}")
-    if not 0 <= address < 1 << 64:
-        raise MemoryReadError(f"address {address:#x} is outside the address space")
-    path = f"{proc_root}/{pid}/mem"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise MemoryReadError(f"cannot open {path} for writing: {exc.strerror}") from exc
+    fd, path = _open_mem(pid, address, os.O_WRONLY, proc_root)
     try:
         written = os.pwrite(fd, data, address)
     except (OSError, OverflowError) as exc:
