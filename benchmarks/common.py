@@ -57,6 +57,8 @@ class Daemon:
                 return
             except OSError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.proc.kill()  # never leave one running: it would load what follows
+                    self.proc.wait()
                     raise RuntimeError("daemon did not start") from None
                 time.sleep(0.1)
 

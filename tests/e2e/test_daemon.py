@@ -36,7 +36,7 @@ class Daemon:
         self.log: collections.deque[str] = collections.deque(maxlen=2000)
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self._reader.join(5)
@@ -46,7 +46,11 @@ class Daemon:
                 return
             except OSError:
                 time.sleep(0.2)
-        raise RuntimeError("daemon did not start serving within 30 s")
+        # Never leave it running: an orphaned daemon loads every later test.
+        self.proc.kill()
+        self.proc.wait()
+        self._reader.join(5)
+        raise RuntimeError(f"daemon did not start serving within 60 s: {self.log_tail()}")
 
     def _read_log(self) -> None:
         assert self.proc.stdout is not None
