@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ KNOWN = ("<module>", "run", *LEAVES)
 @dataclass
 class Phase:
     loss: float                  # 1 - throughput under the runtime / without it
+    cpu_share: float = 0.0       # of one CPU, the smaller of the two workloads'
     samples: int = 0
     paused: int = 0              # samples with the marker
     named_in_paused: int = 0     # ... that also had a Python name (must be 0)
@@ -57,12 +59,18 @@ class Workload:
         assert line.strip() == "ready", (line, self.proc.stderr.read() if self.proc.stderr
                                          else "")
         self.marks: list[tuple[float, int]] = []
+        self.walls: list[float] = []
 
     def mark(self) -> None:
         self.stdin.write("mark\n")
         self.stdin.flush()
         cpu, done = self.stdout.readline().split()
         self.marks.append((float(cpu), int(done)))
+        self.walls.append(time.monotonic())
+
+    def cpu_share(self) -> float:
+        """Share of one CPU the workload got between the first and last mark."""
+        return (self.marks[-1][0] - self.marks[0][0]) / (self.walls[-1] - self.walls[0])
 
     def rate(self) -> float:
         (cpu0, done0), (cpu1, done1) = self.marks[0], self.marks[-1]
@@ -104,6 +112,7 @@ def run_phase(interp: Interp, budget: float, seconds: int) -> Phase:
         assert len(exported) <= 1, exported
         phase.duty = next(iter(exported.values()), None)
         phase.loss = 1 - target.rate() / reference.rate()
+        phase.cpu_share = min(target.cpu_share(), reference.cpu_share())
         return phase
     finally:
         profiler.close()
@@ -140,7 +149,19 @@ def test_budget_bounds_the_loss_and_keeps_the_profile(host_interp: Interp) -> No
               for budget, seconds in ((0.0, 60), (0.25, 20), (0.05, 60))}
     always, quarter, twentieth = phases[0.0], phases[0.25], phases[0.05]
     report = "; ".join(f"budget {b}: loss {p.loss:.3f}, {p.paused}/{p.samples} paused, "
-                       f"exported {p.duty}" for b, p in phases.items())
+                       f"exported {p.duty}, CPU share {p.cpu_share:.2f}"
+                       for b, p in phases.items())
+    # Whatever the load: a paused sample is never named, no chain is impossible.
+    for phase in phases.values():
+        assert phase.named_in_paused == 0, report
+        assert phase.wrong == [], phase.wrong[:3]
+    # Losses of a few points need the two workloads to run most of the time
+    # (2 CPUs: one each). On an overloaded machine the cost per call drifts
+    # from what the runtime calibrated and the comparison is noise.
+    starved = min(p.cpu_share for p in phases.values())
+    if starved < 0.5:
+        pytest.skip(f"machine too busy to measure losses: a workload got {starved:.0%} "
+                    f"of a CPU ({report})")
     # The workload is call-heavy: the always-on runtime costs it far more
     # than the smaller budgets (Debian's 3.11: 20-30%).
     assert always.loss > 0.12, report
@@ -153,11 +174,8 @@ def test_budget_bounds_the_loss_and_keeps_the_profile(host_interp: Interp) -> No
     assert twentieth.duty is not None and always.duty is not None, report
     assert always.duty[0] == 1.0 and abs(always.duty[1] - always.loss) <= 0.1, report
     assert twentieth.duty[0] < 0.5 and abs(twentieth.duty[1] - 0.05) <= 0.01, report
-    # Paused samples: marked, never named; the others never name wrongly.
+    # Most samples at budget 0.05 are paused (marked).
     assert twentieth.paused > 0.4 * twentieth.samples, report
-    for phase in phases.values():
-        assert phase.named_in_paused == 0, report
-        assert phase.wrong == [], phase.wrong[:3]
     # Per-function shares over a minute: within 3 points of always-on.
     on, cycled = _shares(always), _shares(twentieth)
     assert all(abs(on[leaf] - cycled[leaf]) <= 0.03 for leaf in LEAVES), (on, cycled)
