@@ -1,8 +1,14 @@
 """CPython 3.9-3.13: schedule one pending call through a short ptrace stop.
 
-One thread is stopped and made to run ``Py_AddPendingCall(PyRun_SimpleString,
-code)``; CPython then runs ``code`` on the main thread at its next safe
-point, with the GIL, exactly like a signal handler. Nothing is loaded
+One thread is stopped and made to run ``Py_AddPendingCall(run, code)``;
+CPython then runs ``code`` on the main thread at its next safe point, with
+the GIL, exactly like a signal handler. ``run`` is a five-instruction
+function placed with the stub: it calls ``PyRun_SimpleString(code)`` and
+returns 0 whatever that returned. A pending call that fails makes the
+interrupted Python code fail with it, and ``PyRun_SimpleString`` fails
+when ``code`` cannot even start (a frame short of the recursion limit: it
+prints the error and returns -1 with none set, a SystemError in the
+target's code); the target must never see the activation fail. Nothing is loaded
 while the thread is hijacked: no ``dlopen`` (whose loader and malloc locks
 the interrupted code may hold), only one ``mmap`` system call and one call
 of a function meant to be called from any thread without the GIL. The
@@ -47,6 +53,7 @@ from tramprof.procfs.memory import read_memory
 
 PAGE_BYTES = 8192
 CODE_AT = 0x000
+RUN_AT = 0x1C0     # the pending call's function
 DATA_AT = 0x200
 STRING_AT = 0x400
 MAX_CODE_BYTES = PAGE_BYTES - STRING_AT - 1
@@ -93,7 +100,8 @@ def assemble_stub() -> bytes:
         rex = 0x48 | (0x04 if number >= 8 else 0)
         rip_op(bytes([rex, 0x8B, ((number & 7) << 3) | 5]), data_offset)
 
-    mov_load("rdi", _D_FUNC)                                     # rdi = PyRun_SimpleString
+    here = CODE_AT + len(code)                                   # lea rdi, [rip+run]
+    code.extend(_rip_relative(b"\x48\x8d\x3d", here, 7, RUN_AT))
     here = CODE_AT + len(code)                                   # lea rsi, [rip+string]
     code.extend(_rip_relative(b"\x48\x8d\x35", here, 7, STRING_AT))
     rip_op(b"\xff\x15", _D_ADD_PENDING)                          # call [Py_AddPendingCall]
@@ -105,8 +113,21 @@ def assemble_stub() -> bytes:
     for i, reg in enumerate(_RESTORE_ORDER):                     # every register, rsp last
         mov_load(reg, _D_REGS + 8 * i)
     rip_op(b"\xff\x25", _D_RIP)                                  # jmp [rip to resume at]
-    if len(code) > DATA_AT - CODE_AT:
-        raise AssertionError("stub overlaps its data")
+    if len(code) > RUN_AT - CODE_AT:
+        raise AssertionError("stub overlaps the pending call's function")
+    return bytes(code)
+
+
+def assemble_run() -> bytes:
+    """``int run(const char *code)``: ``PyRun_SimpleString(code)``, then 0."""
+    code = bytearray(b"\x48\x83\xec\x08")                      # sub rsp, 8 (align the call)
+    here = RUN_AT + len(code)                                    # call [PyRun_SimpleString]
+    code.extend(_rip_relative(b"\xff\x15", here, 6, DATA_AT + _D_FUNC))
+    code.extend(b"\x48\x83\xc4\x08")                            # add rsp, 8
+    code.extend(b"\x31\xc0")                                     # xor eax, eax
+    code.extend(b"\xc3")                                         # ret
+    if RUN_AT + len(code) > DATA_AT:
+        raise AssertionError("the pending call's function overlaps the data")
     return bytes(code)
 
 
@@ -132,6 +153,8 @@ def build_page(regs: ptrace.Regs, run_function: int, add_pending: int, code: byt
     page = bytearray(STRING_AT + len(code) + 1)
     stub = assemble_stub()
     page[CODE_AT:CODE_AT + len(stub)] = stub
+    run = assemble_run()
+    page[RUN_AT:RUN_AT + len(run)] = run
     data = struct.pack("<QQ", run_function, add_pending)
     data += b"".join(struct.pack("<Q", getattr(resume, reg)) for reg in _RESTORE_ORDER)
     data += struct.pack("<QQ", rip, regs.eflags)

@@ -50,6 +50,13 @@ MAX_RUNTIME_BYTES = 16 << 20
 _WITHDRAW_GRACE = 0.1
 #: 3.14+: how long the main thread alone is given before every thread is asked.
 MAIN_THREAD_GRACE = 0.5
+#: Activation failures that tell where the activation happened to run, not
+#: what the target is: deep in a recursion, near its limit (a test of the
+#: recursion limit, a recursive parser), or short of memory for a moment.
+#: Asked again a little later, it runs somewhere else.
+TRANSIENT_FAILURES = ("RecursionError", "MemoryError")
+#: The pauses (seconds) before each new attempt after such a failure.
+RETRY_PAUSES = (0.2, 0.5, 1.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,20 @@ def _wait_outcome(read: Callable[[], bytes], deadline: float) -> Outcome | None:
 def inject(pid: int, *, off: bool = False, timeout: float = 5.0,
            runtimes: RuntimeStore | None = None, proc_root: str = "/proc") -> Result:
     """Turn trampolines on (or off) in ``pid``; waits up to ``timeout`` seconds
-    for the target to run the activation and say how it went."""
+    for the target to run the activation and say how it went (per attempt: a
+    transient failure is asked again after each of ``RETRY_PAUSES``)."""
+    result = _inject_once(pid, off, timeout, runtimes, proc_root)
+    for pause in RETRY_PAUSES:
+        if result.result != FAILED or not result.detail.startswith(TRANSIENT_FAILURES):
+            break
+        log.info("pid %d: %s; asking again in %g s", pid, result.detail, pause)
+        time.sleep(pause)
+        result = _inject_once(pid, off, timeout, runtimes, proc_root)
+    return result
+
+
+def _inject_once(pid: int, off: bool, timeout: float, runtimes: RuntimeStore | None,
+                 proc_root: str) -> Result:
     began = time.monotonic()
     try:
         target = inspect(pid, proc_root, for_off=off)

@@ -18,11 +18,16 @@ prebuilt runtime the injector placed (3.9-3.11), then CPython's own
 
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass
 
 #: Module name under which an injected runtime is kept (for ``--off``).
 INJECTED_MODULE = "_tramprof_trampolines_injected"
+
+#: The activation's claim in ``sys.__dict__``: the key ends with a token of
+#: its own, so each attempt is claimed once.
+CLAIM_PREFIX = "_tramprof_inject_"
 
 _SOURCE = r'''
 def _tramprof_inject(result_path, runtime_path, off, token):
@@ -32,7 +37,7 @@ def _tramprof_inject(result_path, runtime_path, off, token):
     # Several threads may be asked at once (PEP 768): one claim wins, the
     # others return at once (dict.setdefault is atomic under the GIL).
     claim = object()
-    if sys.__dict__.setdefault("_tramprof_inject_" + token, claim) is not claim:
+    if sys.__dict__.setdefault(CLAIM_PREFIX + token, claim) is not claim:
         return
 
     def report(text):
@@ -109,14 +114,37 @@ _tramprof_inject(RESULT, RUNTIME, OFF, TOKEN)
 '''
 
 
+# The statement the target runs; it binds no name where it runs. When the
+# activation cannot even start - the interpreter ran it a frame or two short
+# of the recursion limit, or out of memory - the error is reported (unless a
+# thread claimed the activation; the failing thread claims it, so no other
+# starts it now) instead of reaching the target's code; the injector asks
+# again later, when the target runs elsewhere. Built-in calls only in the
+# handler: each Python call needs a frame.
+_STATEMENT = """\
+try:
+    exec(compile(SOURCE, '<tramprof-inject>', 'exec'), {'__name__': '__tramprof_inject__'})
+except BaseException:
+    try:
+        if __import__('sys').__dict__.setdefault(CLAIM, 0) == 0:
+            __import__('io').FileIO(__import__('os').open(RESULT, FLAGS), 'w').write(
+                ('failed: %s\\n' % __import__('sys').exc_info()[0].__name__).encode())
+    except BaseException:
+        pass
+"""
+
+
 def activation_code(result_path: str, runtime_path: str | None, off: bool) -> str:
-    """One expression statement: runs the activation in a namespace of its own."""
-    source = (_SOURCE.replace("INJECTED", repr(INJECTED_MODULE))
+    """The statement that runs the activation in a namespace of its own."""
+    token = secrets.token_hex(8)
+    source = (_SOURCE.replace("CLAIM_PREFIX", repr(CLAIM_PREFIX))
+              .replace("INJECTED", repr(INJECTED_MODULE))
               .replace("RESULT, RUNTIME, OFF, TOKEN",
-                       f"{result_path!r}, {runtime_path!r}, {off!r}, "
-                       f"{secrets.token_hex(8)!r}"))
-    return (f"exec(compile({source!r}, '<tramprof-inject>', 'exec'), "
-            "{'__name__': '__tramprof_inject__'})\n")
+                       f"{result_path!r}, {runtime_path!r}, {off!r}, {token!r}"))
+    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    return (_STATEMENT.replace("CLAIM", repr(CLAIM_PREFIX + token))
+            .replace("RESULT", repr(result_path)).replace("FLAGS", str(flags))
+            .replace("SOURCE", repr(source)))
 
 
 @dataclass(frozen=True)
