@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -157,6 +159,24 @@ def test_samples_per_process_and_clean_stop(daemon, targets, start_target):
     assert d.stop() == 0
     left = [(kind, i) for kind, i in objects if loaded(kind, i)]
     assert left == [], "SIGTERM must unload every BPF program and map of the daemon"
+
+
+# The daemon's own peak is ~85 MiB here, most of it from parsing kallsyms;
+# compiling the BPF program in it (bcc, clang, LLVM, the kernel headers)
+# would take it past 180 MiB.
+DAEMON_PEAK_MIB = 140
+
+
+def test_the_daemon_never_holds_the_compiler(daemon):
+    """bcc compiles in a short-lived child: the running daemon never mapped
+    LLVM or clang, and its own peak stays far below the compiler's."""
+    d = daemon()
+    pid = d.proc.pid
+    assert not re.search(r"/lib(LLVM|clang)", Path(f"/proc/{pid}/maps").read_text())
+    status = Path(f"/proc/{pid}/status").read_text()
+    match = re.search(r"VmHWM:\s+(\d+) kB", status)
+    assert match is not None
+    assert int(match.group(1)) / 1024 < DAEMON_PEAK_MIB, d.log_tail()
 
 
 def _check_profiles(d: Daemon, pid: int) -> None:

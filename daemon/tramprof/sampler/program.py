@@ -1,6 +1,11 @@
 """Loads the stack-sampling BPF program, attaches it to every CPU, and owns it:
 frequency, target pids, counters, run time, new-process events, drains.
 
+bcc compiles and loads the program in a short-lived child process
+(``sampler.compiler``), so that clang and LLVM never occupy the daemon's
+memory; the daemon holds the maps and programs by descriptor
+(``sampler.loaded``) and attaches the perf events itself.
+
 Counting happens in the kernel; each drain moves only unique stacks and their
 counts to user space (``sampler.drain``). Two buffers alternate so a drain
 never races the programs still writing: the daemon flips the active buffer,
@@ -17,7 +22,6 @@ import fcntl
 import importlib.resources
 import logging
 import os
-import re
 import struct
 import tempfile
 import time
@@ -30,8 +34,10 @@ from tramprof.model import RawSample
 from tramprof.sampler import layout as bpf_layout
 from tramprof.sampler.btf import VMLINUX_BTF, BtfError, KernelBtf
 from tramprof.sampler.chunkmaker import ChunkMaker
+from tramprof.sampler.compiler import CompileError, LoadRequest, compile_and_load
 from tramprof.sampler.drain import drain_buffer
 from tramprof.sampler.layout import Counter
+from tramprof.sampler.loaded import LoadedProgram
 from tramprof.sampler.maps import ProcessMaps
 from tramprof.sampler.tables import CHUNK_BYTES, UnwindTableMaps
 
@@ -43,6 +49,17 @@ DRAIN_GRACE_SECONDS = 0.005
 
 # _IOW('$', 4, __u64): a new sample period, or frequency for frequency-mode events.
 _PERF_EVENT_IOC_PERIOD = 0x40082404
+
+# enum bpf_prog_type, enum perf_type_id, enum perf_hw_id / perf_sw_ids.
+_PROG_TYPE_PERF_EVENT = 7
+_PERF_TYPE_HARDWARE, _PERF_TYPE_SOFTWARE = 0, 1
+_PERF_COUNT_HW_CPU_CYCLES, _PERF_COUNT_SW_CPU_CLOCK = 0, 0
+
+# The sampling program, and the walkers it tail-calls from slot 0 of their
+# program arrays (each also tail-calls itself, one slice of its work per run):
+# the stack scan, the unwind-table walk.
+_SAMPLING_PROGRAM = "on_sample"
+_TAIL_PROGRAMS = (("scan_programs", "scan_step"), ("table_programs", "table_step_run"))
 
 # Kernel fields the program reads, by -D name; offsets come from BTF.
 _BTF_FIELDS = {
@@ -119,7 +136,8 @@ def program_source() -> str:
 
 @contextlib.contextmanager
 def _captured_stderr() -> Iterator[list[str]]:
-    """Capture what bcc/clang/the verifier print on fd 2 so errors can quote it."""
+    """Capture what bcc's runtime prints on fd 2 (perf event attachment) so
+    errors can quote it."""
     captured: list[str] = []
     with tempfile.TemporaryFile(mode="w+b") as tmp:
         saved = os.dup(2)
@@ -134,6 +152,8 @@ def _captured_stderr() -> Iterator[list[str]]:
 
 
 def _load_hint(log_text: str) -> str:
+    if "No module named 'bcc'" in log_text:
+        return "bcc is missing: install python3-bpfcc (`make setup`)"
     if "linux/" in log_text and "file not found" in log_text:
         return ("kernel headers are missing: run `make setup` (installs linux-headers and links "
                 "them under /lib/modules/$(uname -r)/build)")
@@ -143,37 +163,6 @@ def _load_hint(log_text: str) -> str:
         return ("the kernel's verifier rejected the program; the log above says at which "
                 "instruction — report it together with `uname -r`")
     return "see the compiler / verifier output above"
-
-
-_MADV_PAGEOUT = 21  # Linux >= 5.4
-_COMPILER_LIBRARIES = re.compile(r"/lib(LLVM|clang)[^/]*\.so")
-
-
-def _release_compiler_memory() -> None:
-    """Hand back what bcc's in-process compiler used, once the program is loaded
-    (it is never compiled again): its heap (~60 MB) and the resident pages of
-    the LLVM and clang libraries (~75 MB of clean file pages). Both come back
-    transparently if ever touched again."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return  # not glibc
-    with contextlib.suppress(AttributeError):
-        libc.malloc_trim(0)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    try:
-        with open("/proc/self/maps") as maps:
-            lines = maps.readlines()
-    except OSError:
-        return
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and _COMPILER_LIBRARIES.search(parts[5]):
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            if libc.madvise(start, end - start, _MADV_PAGEOUT) != 0:
-                log.debug("madvise(PAGEOUT) %s: errno %d", parts[5].strip(),
-                          ctypes.get_errno())
-                return
 
 
 class Sampler:
@@ -194,35 +183,26 @@ class Sampler:
         self._tables: UnwindTableMaps | None = None
         self._chunk_maker: ChunkMaker | None = None
 
-    def start(self, pids: Iterable[int] | None = None) -> None:
-        """Compile, load and attach; with ``pids``, only those processes are
-        sampled from the first tick on."""
-        from bcc import BPF  # imported late: the unit tests and `doctor` run without it
-
+    def load(self) -> None:
+        """Compile and load the program without attaching it (nothing is
+        sampled yet); ``start`` does it when it was not done before. The
+        compiler child's memory adds to this process's: call it while this
+        process is small."""
+        if self._bpf is not None:
+            return
         try:
             cflags = build_cflags(self.config, self._btf_path)
         except BtfError as exc:
             raise SamplerError(f"cannot read kernel BTF: {exc}") from exc
-        text = program_source()
-        with _captured_stderr() as out:
-            try:
-                self._bpf = BPF(text=text.encode(), cflags=cflags)
-            except Exception as exc:
-                failure: Exception | None = exc
-            else:
-                failure = None
-        output = out[0] if out else ""
-        if failure is not None:
-            tail = "\n".join(output.strip().splitlines()[-40:])
-            raise SamplerError(f"BPF program failed to load: {failure}\n{tail}\n"
-                               f"hint: {_load_hint(output)}") from failure
-        if output.strip():
-            log.debug("bcc compiler output:\n%s", output)
+        self._bpf = self._load(cflags)
+
+    def start(self, pids: Iterable[int] | None = None) -> None:
+        """Compile and load (unless ``load`` did), then attach; with
+        ``pids``, only those processes are sampled from the first tick on."""
+        self.load()
         if pids is not None:
             self.set_targets(pids)
         self._write_config()
-        self._load_tail_program(BPF, b"scan_step", b"scan_programs")
-        self._load_tail_program(BPF, b"table_step_run", b"table_programs")
         self._maps = ProcessMaps(self._bpf, self.config.max_stub_pages_per_process)
         if self.config.unwind_table_bytes:
             # Chunks are created as objects show up, after CAP_BPF is dropped.
@@ -233,20 +213,29 @@ class Sampler:
         self._open_new_process_events()
         self._attach()
         self._enable_run_time_stats()
-        _release_compiler_memory()
 
-    def _load_tail_program(self, bpf_class: Any, name: bytes, slot_array: bytes) -> None:
-        """A walker that runs as its own program, tail-called from the
-        sampling program (and by itself, one slice of its work per run): the
-        stack scan, the unwind-table walk."""
-        with _captured_stderr() as out:
-            try:
-                program = self._bpf.load_func(name, bpf_class.PERF_EVENT)
-            except Exception as exc:
-                detail = "\n".join((out[0] if out else "").strip().splitlines()[-20:])
-                raise SamplerError(f"BPF program {name.decode()} failed to load: {exc}\n"
+    @staticmethod
+    def _load(cflags: list[str]) -> LoadedProgram:
+        """The program compiled and loaded by the compiler child, its tail
+        calls in place."""
+        request = LoadRequest(
+            text=program_source(), cflags=cflags,
+            programs=[(name, _PROG_TYPE_PERF_EVENT)
+                      for name in (_SAMPLING_PROGRAM, *(p for _a, p in _TAIL_PROGRAMS))],
+            tail_calls=_TAIL_PROGRAMS)
+        try:
+            compiled = compile_and_load(request)
+        except CompileError as exc:
+            if exc.stage == "load" and exc.program:
+                detail = "\n".join(exc.output.strip().splitlines()[-20:])
+                raise SamplerError(f"BPF program {exc.program} failed to load: {exc}\n"
                                    f"{detail}") from exc
-        self._bpf.get_table(slot_array)[ctypes.c_int(0)] = ctypes.c_int(program.fd)
+            tail = "\n".join(exc.output.strip().splitlines()[-40:])
+            raise SamplerError(f"BPF program failed to load: {exc}\n{tail}\n"
+                               f"hint: {_load_hint(exc.output)}") from exc
+        if compiled.output.strip():
+            log.debug("bcc compiler output:\n%s", compiled.output)
+        return compiled.program
 
     def _open_new_process_events(self) -> None:
         def on_event(cpu: int, data: Any, size: int) -> None:
@@ -263,9 +252,7 @@ class Sampler:
 
     def event_fds(self) -> list[int]:
         """File descriptors that become readable when new processes were seen."""
-        from bcc.libbcc import lib
-
-        return [int(lib.perf_reader_fd(reader)) for reader in self._bpf.perf_buffers.values()]
+        return list(self._bpf.perf_buffer_fds())
 
     def new_processes(self) -> list[tuple[int, int, int]]:
         """(tgid, start_boottime_ns, exec_id) of images sampled for the first time."""
@@ -274,11 +261,9 @@ class Sampler:
         return seen
 
     def _attach(self) -> None:
-        from bcc import PerfHWConfig, PerfSWConfig, PerfType
-
         candidates = {
-            "cycles": (PerfType.HARDWARE, PerfHWConfig.CPU_CYCLES),
-            "cpu-clock": (PerfType.SOFTWARE, PerfSWConfig.CPU_CLOCK),
+            "cycles": (_PERF_TYPE_HARDWARE, _PERF_COUNT_HW_CPU_CYCLES),
+            "cpu-clock": (_PERF_TYPE_SOFTWARE, _PERF_COUNT_SW_CPU_CLOCK),
         }
         order = ["cycles", "cpu-clock"] if self.config.event == "auto" else [self.config.event]
         errors = []
@@ -287,7 +272,7 @@ class Sampler:
             with _captured_stderr() as out:
                 try:
                     self._bpf.attach_perf_event(ev_type=ev_type, ev_config=ev_config,
-                                                fn_name=b"on_sample",
+                                                fn_name=_SAMPLING_PROGRAM.encode(),
                                                 sample_freq=self.config.frequency)
                 except Exception as exc:
                     failure: Exception | None = exc
@@ -368,7 +353,7 @@ class Sampler:
         if self._bpf is None:
             return None
         try:
-            fd = self._bpf.funcs[b"on_sample"].fd
+            fd = self._bpf.funcs[_SAMPLING_PROGRAM.encode()].fd
             with open(f"/proc/self/fdinfo/{fd}") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
             ns, runs = int(fields["run_time_ns"]), int(fields["run_cnt"])

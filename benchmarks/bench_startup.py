@@ -1,0 +1,325 @@
+"""Start-up of ``tramprof run``: memory while the BPF program is compiled,
+memory once running, and time until the daemon is healthy (root).
+
+Two variants run side by side, alternating round by round so that load on
+the machine affects both alike, each a fresh ``tramprof run`` with its
+defaults:
+
+* ``child``: the daemon as it is (bcc compiles and loads in a short-lived
+  compiler child, before kallsyms is parsed);
+* ``in-process``: the same daemon with ``sampler/program.py`` as it was
+  before the compiler child (bcc compiled inside the daemon). That file is
+  read from git (``--baseline``, default: the revision before the one that
+  brought in ``compile_and_load``, or HEAD while that is not committed) and
+  imported in place of the current module; nothing in the work tree or the
+  repository changes.
+
+Every 5 ms during start-up the daemon's process tree is read from /proc
+(VmRSS, RssAnon, VmHWM of the daemon and of each descendant). Reported per
+variant (median over rounds, worst in brackets):
+
+* start-up: exec to the first ``/healthz`` that answers 200, and the CPU
+  time the tree used until then (user + system, the compiler child's
+  included; steadier than wall time on a shared machine);
+* peak tree RSS: the largest sum of the tree's VmRSS at one instant (shared
+  library pages count once per process, so this over-counts a little), with
+  the daemon's and the children's parts at that instant (a child that has
+  not called exec yet shares the daemon's pages and is left out), and the
+  largest sum of RssAnon (anonymous memory: without swap the kernel cannot
+  reclaim it, unlike file pages, so it is what a memory limit must cover);
+* VmHWM of the daemon and of the compiler child (exact, not sampled);
+* after ``--steady`` seconds: the daemon's VmRSS (RssAnon) and the whole
+  tree's (the chunk maker child lives on). This one depends on what else
+  runs on the machine (the daemon profiles every process); start-up figures
+  are taken until a second after the first healthy ``/healthz``.
+
+Run (root): ``.venv/bin/python benchmarks/bench_startup.py [--rounds 3]``
+(~3 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from common import free_port, median
+
+REPO = Path(__file__).resolve().parent.parent
+PROGRAM = "daemon/tramprof/sampler/program.py"
+MARKER = "compile_and_load"  # only the compiler-child version of program.py has it
+MiB = 1024
+
+# Runs the CLI, first putting the given program.py (if any) in place of
+# tramprof.sampler.program. The old Sampler compiled in start(); the current
+# profiler calls load() first, which for it has nothing to do.
+BOOTSTRAP = """
+import importlib.util, sys
+path = sys.argv.pop(1)
+if path:
+    spec = importlib.util.spec_from_file_location("tramprof.sampler.program", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    if not hasattr(module.Sampler, "load"):
+        module.Sampler.load = lambda self: None
+from tramprof.commands.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def baseline_revision(requested: str | None) -> str:
+    if requested:
+        return requested
+    introduced = subprocess.run(
+        ["git", "-C", str(REPO), "log", "--format=%H", "-S", MARKER, "--", PROGRAM],
+        capture_output=True, text=True, check=True).stdout.split()
+    return f"{introduced[-1]}^" if introduced else "HEAD"
+
+
+def baseline_program(revision: str, folder: str) -> str:
+    text = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{PROGRAM}"],
+                          capture_output=True, text=True, check=True).stdout
+    if MARKER in text:
+        raise SystemExit(f"{PROGRAM} at {revision} already compiles in a child; "
+                         f"pass --baseline REV of an older revision")
+    path = Path(folder) / "program.py"
+    path.write_text(text)
+    return str(path)
+
+
+def status(pid: int) -> dict[str, int] | None:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "VmHWM"):
+            values[key] = int(rest.split()[0])
+    return values if len(values) == 3 else None
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            found.append(child)
+            found.extend(descendants(child))
+    return found
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def role(pid: int, daemon: int) -> str:
+    """What a process of the tree is; "fork" for a child that has not called
+    exec yet (subprocess's fork or vfork): it shows the daemon's own pages."""
+    if pid == daemon:
+        return "daemon"
+    line = cmdline(pid)
+    if line == cmdline(daemon):
+        return "fork"
+    for name in ("compiler", "chunkmaker"):
+        if f"tramprof.sampler.{name}".encode() in line:
+            return name
+    return "other"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system time of the process and of its children that ended."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Run:
+    startup: float = float("nan")
+    startup_cpu: float = float("nan")  # CPU seconds of the tree until healthy
+    peak_rss: int = 0
+    peak_parts: dict[str, int] = field(default_factory=dict)
+    peak_anon: int = 0
+    hwm: dict[str, int] = field(default_factory=dict)  # by role, the largest
+    steady_daemon: tuple[int, int] = (0, 0)  # VmRSS, RssAnon
+    steady_tree: tuple[int, int] = (0, 0)
+
+
+class TreeWatcher(threading.Thread):
+    """Samples the daemon's process tree until stopped."""
+
+    def __init__(self, daemon: int, period: float) -> None:
+        super().__init__(daemon=True)
+        self.pid = daemon
+        self.period = period
+        self.stopping = threading.Event()
+        self.run_data = Run()
+        self.roles: dict[int, str] = {}
+
+    def run(self) -> None:
+        data = self.run_data
+        while not self.stopping.is_set():
+            rss = anon = 0
+            parts: dict[str, int] = {}
+            for pid in [self.pid, *descendants(self.pid)]:
+                name = role(pid, self.pid) if self.roles.get(pid) in (None, "fork") \
+                    else self.roles[pid]
+                self.roles[pid] = name
+                values = status(pid)
+                if values is None or name == "fork":
+                    continue
+                rss += values["VmRSS"]
+                anon += values["RssAnon"]
+                parts[name] = parts.get(name, 0) + values["VmRSS"]
+                data.hwm[name] = max(data.hwm.get(name, 0), values["VmHWM"])
+            if rss > data.peak_rss:
+                data.peak_rss, data.peak_parts = rss, parts
+            data.peak_anon = max(data.peak_anon, anon)
+            time.sleep(self.period)
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def one_run(program: str, steady: float) -> Run:
+    with tempfile.TemporaryFile(mode="w+") as log:  # a pipe nobody reads could block it
+        return measure(program, steady, log)
+
+
+def measure(program: str, steady: float, log: IO[str]) -> Run:
+    port = free_port()
+    began = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, program, "run", "--listen",
+                             f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        data = watch_startup(proc, port, began, log)
+        # Later growth depends on what else runs on the machine (every
+        # process is profiled), so it is read once, apart from start-up.
+        time.sleep(max(0.0, steady - 1))
+        values = status(proc.pid)
+        tree = [v for v in map(status, [proc.pid, *descendants(proc.pid)]) if v]
+        if values is not None:
+            data.steady_daemon = (values["VmRSS"], values["RssAnon"])
+        data.steady_tree = (sum(v["VmRSS"] for v in tree), sum(v["RssAnon"] for v in tree))
+        return data
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def watch_startup(proc: subprocess.Popen[bytes], port: int, began: float,
+                  log: IO[str]) -> Run:
+    """The tree's memory from exec until a second after the first healthy
+    /healthz (the last start-up work)."""
+    watcher = TreeWatcher(proc.pid, 0.005)
+    watcher.start()
+    try:
+        while not healthy(port):
+            if proc.poll() is not None or time.monotonic() - began > 120:
+                log.seek(0)
+                raise RuntimeError(f"the daemon did not start:\n{log.read()[-3000:]}")
+            time.sleep(0.02)
+        startup = time.monotonic() - began
+        startup_cpu = cpu_seconds(proc.pid)
+        time.sleep(1)
+    finally:
+        watcher.stopping.set()
+        watcher.join()
+    watcher.run_data.startup = startup
+    watcher.run_data.startup_cpu = startup_cpu
+    return watcher.run_data
+
+
+def mib(kib: float) -> str:
+    return f"{kib / MiB:.0f}"
+
+
+def summary(name: str, runs: list[Run]) -> None:
+    def stat(values: list[float], fmt: str = "{:.0f}") -> str:
+        return f"{fmt.format(median(values))} [{fmt.format(max(values))}]"
+
+    def mstat(values: list[int]) -> str:
+        return stat([v / MiB for v in values])
+
+    worst = max(runs, key=lambda r: r.peak_rss)
+    parts = ", ".join(f"{role} {mib(kib)}" for role, kib in sorted(worst.peak_parts.items()))
+    print(f"{name}:")
+    print(f"  start-up (exec to healthy): {stat([r.startup for r in runs], '{:.2f}')} s, "
+          f"CPU {stat([r.startup_cpu for r in runs], '{:.2f}')} s")
+    print(f"  peak tree RSS:  {mstat([r.peak_rss for r in runs])} MiB "
+          f"(at the worst instant: {parts})")
+    print(f"  peak tree anon: {mstat([r.peak_anon for r in runs])} MiB")
+    for role_name in ("daemon", "compiler", "chunkmaker"):
+        values = [r.hwm[role_name] for r in runs if role_name in r.hwm]
+        if values:
+            print(f"  VmHWM {role_name + ':':11} {mstat(values)} MiB")
+    print(f"  after the steady wait: daemon {mstat([r.steady_daemon[0] for r in runs])} MiB "
+          f"(anon {mstat([r.steady_daemon[1] for r in runs])}), whole tree "
+          f"{mstat([r.steady_tree[0] for r in runs])} MiB "
+          f"(anon {mstat([r.steady_tree[1] for r in runs])})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steady", type=float, default=30,
+                        help="seconds after /healthz before the steady reading")
+    parser.add_argument("--baseline", metavar="REV",
+                        help=f"git revision of the in-process {PROGRAM}")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("bench_startup.py needs root (the daemon loads BPF programs)")
+    revision = baseline_revision(args.baseline)
+    with tempfile.TemporaryDirectory(prefix="tramprof-bench-startup-") as folder:
+        compare({"in-process": baseline_program(revision, folder), "child": ""},
+                revision, args.rounds, args.steady)
+
+
+def compare(variants: dict[str, str], revision: str, rounds: int, steady: float) -> None:
+    print(f"baseline: {PROGRAM} at {revision}; {rounds} rounds, steady reading "
+          f"{steady:.0f} s after /healthz", flush=True)
+    runs: dict[str, list[Run]] = {name: [] for name in variants}
+    for r in range(rounds):
+        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for name in order:
+            run = one_run(variants[name], steady)
+            runs[name].append(run)
+            print(f"  round {r + 1} {name}: healthy in {run.startup:.2f} s "
+                  f"({run.startup_cpu:.2f} s CPU), peak tree "
+                  f"{mib(run.peak_rss)} MiB (anon {mib(run.peak_anon)})", flush=True)
+    for name, results in runs.items():
+        summary(name, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,563 @@
+"""A BPF program that another process compiled and loaded, used here through
+its descriptors: the maps as bcc-style tables, the programs, the perf events.
+
+The compiler child (``sampler.compiler``) runs bcc's clang and LLVM and exits;
+this process never maps LLVM (merely importing bcc costs ~60 MB of RSS). What
+the daemon needs of bcc afterwards is its small runtime library,
+``libbcc_bpf.so.0`` (map access, perf readers, perf event attachment; no
+LLVM), and the table interface that ``program``, ``maps``, ``tables`` and
+``drain`` use: ``get_table(name, keytype, leaftype)``, ``bpf[name]``,
+``Key``/``Leaf``, item access, iteration, per-CPU values, stack walks and
+perf buffers, with the semantics of bcc 0.26's ``bcc/table.py``. Tables asked
+for without explicit types get them from bcc's JSON type descriptions, which
+the child sends along; explicit types must have the map's key and value sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+RUNTIME_LIBRARY = "libbcc_bpf.so.0"
+
+# enum bpf_map_type (include/uapi/linux/bpf.h).
+MAP_HASH = 1
+MAP_ARRAY = 2
+MAP_PROG_ARRAY = 3
+MAP_PERF_EVENT_ARRAY = 4
+MAP_PERCPU_HASH = 5
+MAP_PERCPU_ARRAY = 6
+MAP_STACK_TRACE = 7
+MAP_LRU_HASH = 9
+MAP_LRU_PERCPU_HASH = 10
+MAP_ARRAY_OF_MAPS = 12
+MAP_HASH_OF_MAPS = 13
+
+# A kernel stack trace holds at most this many frames (PERF_MAX_STACK_DEPTH).
+STACK_MAX_DEPTH = 127
+_BPF_F_STACK_BUILD_ID = 1 << 5
+
+_RAW_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+_LOST_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ulonglong)
+
+
+class _PerfBufferOptions(ctypes.Structure):
+    """struct bcc_perf_buffer_opts (bcc's libbpf.h)."""
+
+    _fields_ = [("pid", ctypes.c_int), ("cpu", ctypes.c_int), ("wakeup_events", ctypes.c_int)]
+
+
+@cache
+def runtime() -> ctypes.CDLL:
+    """bcc's runtime library (the non-compiler half of bcc), typed."""
+    lib = ctypes.CDLL(RUNTIME_LIBRARY, use_errno=True)
+    c_int, c_void_p = ctypes.c_int, ctypes.c_void_p
+    signatures: dict[str, tuple[Any, list[Any]]] = {
+        "bpf_lookup_elem": (c_int, [c_int, c_void_p, c_void_p]),
+        "bpf_update_elem": (c_int, [c_int, c_void_p, c_void_p, ctypes.c_ulonglong]),
+        "bpf_delete_elem": (c_int, [c_int, c_void_p]),
+        "bpf_get_first_key": (c_int, [c_int, c_void_p, ctypes.c_uint]),
+        "bpf_get_next_key": (c_int, [c_int, c_void_p, c_void_p]),
+        "bpf_open_perf_buffer_opts": (c_void_p, [_RAW_CALLBACK, _LOST_CALLBACK, c_void_p,
+                                                 c_int, ctypes.POINTER(_PerfBufferOptions)]),
+        "perf_reader_consume": (c_int, [c_int, ctypes.POINTER(c_void_p)]),
+        "perf_reader_free": (None, [c_void_p]),
+        "perf_reader_fd": (c_int, [c_void_p]),
+        "bpf_attach_perf_event": (c_int, [c_int, ctypes.c_uint32, ctypes.c_uint32,
+                                          ctypes.c_uint64, ctypes.c_uint64, c_int, c_int,
+                                          c_int]),
+        "bpf_close_perf_event_fd": (c_int, [c_int]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        function.argtypes = argtypes
+    return lib
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """CPU numbers of a sysfs CPU list such as ``0-3,6``."""
+    cpus: list[int] = []
+    for part in filter(None, text.strip().split(",")):
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def possible_cpus() -> list[int]:
+    with open("/sys/devices/system/cpu/possible") as f:
+        return parse_cpu_list(f.read())
+
+
+def online_cpus() -> list[int]:
+    with open("/sys/devices/system/cpu/online") as f:
+        return parse_cpu_list(f.read())
+
+
+# bcc's names of C scalar types in its JSON type descriptions.
+_SCALARS: dict[str, Any] = {
+    "_Bool": ctypes.c_bool,
+    "char": ctypes.c_char,
+    "wchar_t": ctypes.c_wchar,
+    "unsigned char": ctypes.c_ubyte,
+    "short": ctypes.c_short,
+    "unsigned short": ctypes.c_ushort,
+    "int": ctypes.c_int,
+    "unsigned int": ctypes.c_uint,
+    "long": ctypes.c_long,
+    "unsigned long": ctypes.c_ulong,
+    "long long": ctypes.c_longlong,
+    "unsigned long long": ctypes.c_ulonglong,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+    "long double": ctypes.c_longdouble,
+    "__int128": ctypes.c_int64 * 2,
+    "unsigned __int128": ctypes.c_uint64 * 2,
+}
+_AGGREGATES = ("struct", "struct_packed", "union")
+
+
+def decode_type(desc: Any) -> Any:
+    """The ctypes type of a bcc JSON type description: a scalar's name, or
+    ``[name, [fields...], "struct" | "struct_packed" | "union"]`` whose
+    fields are ``[name, type]``, ``[name, type, [dims...]]`` (an array),
+    ``[name, type, bits]`` (a bit field) or a nested aggregate."""
+    if isinstance(desc, str):
+        try:
+            return _SCALARS[desc]
+        except KeyError:
+            raise ValueError(f"unknown scalar type {desc!r} in a map description") from None
+    if not (isinstance(desc, list) and len(desc) >= 2 and isinstance(desc[1], list)):
+        raise ValueError(f"malformed type description {desc!r}")
+    anonymous: list[str] = []
+    fields: list[tuple[Any, ...]] = []
+    for field in desc[1]:
+        if not isinstance(field, list) or len(field) not in (2, 3):
+            raise ValueError(f"malformed field {field!r} in {desc[0]!r}")
+        if len(field) == 2:
+            fields.append((field[0], decode_type(field[1])))
+        elif isinstance(field[2], list):
+            element = decode_type(field[1])
+            for dim in reversed(field[2]):
+                element = element * int(dim)
+            fields.append((field[0], element))
+        elif isinstance(field[2], int):
+            fields.append((field[0], decode_type(field[1]), field[2]))
+        elif field[2] in _AGGREGATES:
+            name = field[0] or f"__anon{len(anonymous)}"
+            if not field[0]:
+                anonymous.append(name)
+            fields.append((name, decode_type(field)))
+        else:
+            raise ValueError(f"malformed field {field!r} in {desc[0]!r}")
+    kind = desc[2] if len(desc) > 2 else "struct"
+    if kind not in _AGGREGATES:
+        raise ValueError(f"unknown aggregate kind {kind!r} of {desc[0]!r}")
+    base = ctypes.Union if kind == "union" else ctypes.Structure
+    namespace: dict[str, Any] = {"_anonymous_": anonymous, "_fields_": fields}
+    if kind == "struct_packed":
+        namespace["_pack_"] = 1
+    return type(str(desc[0]), (base,), namespace)
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """What bcc knows of one map of the compiled module."""
+
+    name: bytes
+    map_type: int
+    flags: int
+    max_entries: int
+    key_size: int
+    leaf_size: int
+    key_desc: str  # bcc's JSON description of the key type
+    leaf_desc: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name.decode(), "map_type": self.map_type, "flags": self.flags,
+                "max_entries": self.max_entries, "key_size": self.key_size,
+                "leaf_size": self.leaf_size, "key_desc": self.key_desc,
+                "leaf_desc": self.leaf_desc}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MapSpec:
+        return cls(name=str(data["name"]).encode(), map_type=int(data["map_type"]),
+                   flags=int(data["flags"]), max_entries=int(data["max_entries"]),
+                   key_size=int(data["key_size"]), leaf_size=int(data["leaf_size"]),
+                   key_desc=str(data["key_desc"]), leaf_desc=str(data["leaf_desc"]))
+
+
+@dataclass(frozen=True)
+class Function:
+    """A loaded program (bcc's ``BPF.Function``: ``name`` and ``fd``)."""
+
+    name: bytes
+    fd: int
+
+
+class Table:
+    """One map, by descriptor: bcc's ``TableBase`` (hash-like maps)."""
+
+    def __init__(self, owner: LoadedProgram, spec: MapSpec, fd: int, keytype: Any,
+                 leaftype: Any) -> None:
+        self.bpf = owner
+        self.spec = spec
+        self.name = spec.name
+        self.map_fd = fd
+        self.ttype = spec.map_type
+        self.flags = spec.flags
+        self.max_entries = spec.max_entries
+        self.Key = keytype
+        self.Leaf = leaftype
+        self._lib = runtime()
+
+    def get_fd(self) -> int:
+        return self.map_fd
+
+    def __getitem__(self, key: Any) -> Any:
+        leaf = self.Leaf()
+        if self._lib.bpf_lookup_elem(self.map_fd, ctypes.byref(key), ctypes.byref(leaf)) < 0:
+            raise KeyError(key)
+        return leaf
+
+    def __setitem__(self, key: Any, leaf: Any) -> None:
+        if self._lib.bpf_update_elem(self.map_fd, ctypes.byref(key), ctypes.byref(leaf), 0) < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"Could not update table {self.name.decode()}: "
+                                f"{os.strerror(code)}")
+
+    def __delitem__(self, key: Any) -> None:
+        if self._lib.bpf_delete_elem(self.map_fd, ctypes.byref(key)) < 0:
+            raise KeyError(key)
+
+    def __contains__(self, key: Any) -> bool:
+        try:
+            self[key]
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[Any]:
+        key = None
+        while True:
+            following = self.Key()
+            if key is None:
+                res = self._lib.bpf_get_first_key(self.map_fd, ctypes.byref(following),
+                                                  ctypes.sizeof(self.Key))
+            else:
+                res = self._lib.bpf_get_next_key(self.map_fd, ctypes.byref(key),
+                                                 ctypes.byref(following))
+            if res < 0:
+                return
+            key = following
+            yield key
+
+    def __len__(self) -> int:
+        return sum(1 for _key in self)
+
+    def keys(self) -> Iterator[Any]:
+        return iter(self)
+
+    def items(self) -> list[tuple[Any, Any]]:
+        """(key, value) pairs; an entry deleted between the two lookups is skipped."""
+        pairs = []
+        for key in self:
+            try:
+                pairs.append((key, self[key]))
+            except KeyError:
+                continue
+        return pairs
+
+    def values(self) -> list[Any]:
+        return [value for _key, value in self.items()]
+
+    def clear(self) -> None:
+        for key in list(self.keys()):
+            del self[key]
+
+
+class ArrayTable(Table):
+    """Array-like maps: every index exists, integers are accepted as keys."""
+
+    def _normalize(self, key: Any) -> Any:
+        if isinstance(key, int):
+            key = self.Key(key + len(self) if key < 0 else key)
+        if not isinstance(key, ctypes._SimpleCData):
+            raise IndexError("Array index must be an integer type")
+        if not 0 <= key.value < len(self):
+            raise IndexError("Array index out of range")
+        return key
+
+    def __len__(self) -> int:
+        return self.max_entries
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self.Key(i) for i in range(self.max_entries))
+
+    def __getitem__(self, key: Any) -> Any:
+        return super().__getitem__(self._normalize(key))
+
+    def __setitem__(self, key: Any, leaf: Any) -> None:
+        if isinstance(leaf, int):
+            leaf = self.Leaf(leaf)
+        super().__setitem__(self._normalize(key), leaf)
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(self._normalize(key))
+
+    def clearitem(self, key: Any) -> None:
+        """Zero an entry (array entries cannot be deleted)."""
+        super().__setitem__(self._normalize(key), self.Leaf())
+
+
+class PlainArray(ArrayTable):
+    def __delitem__(self, key: Any) -> None:
+        self.clearitem(key)
+
+
+class _PerCpu:
+    """Per-CPU values: one leaf per possible CPU, each padded to 8 bytes."""
+
+    Leaf: Any
+
+    def _per_cpu_leaf(self) -> None:
+        self.sLeaf = self.Leaf
+        self.total_cpu = len(possible_cpus())
+        if ctypes.sizeof(self.sLeaf) % 8 == 0:
+            self.Leaf = self.sLeaf * self.total_cpu
+        elif self.sLeaf is ctypes.c_uint:
+            self.Leaf = ctypes.c_uint64 * self.total_cpu
+        elif self.sLeaf is ctypes.c_int:
+            self.Leaf = ctypes.c_int64 * self.total_cpu
+        else:
+            raise ValueError("per-CPU leaves must be 8-byte aligned")
+
+    def _widened(self, result: Any) -> Any:
+        if ctypes.sizeof(self.sLeaf) % 8 == 0:
+            return result
+        values = (self.sLeaf * self.total_cpu)()
+        for i in range(self.total_cpu):
+            values[i] = result[i]
+        return values
+
+
+class PerCpuArray(_PerCpu, ArrayTable):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._per_cpu_leaf()
+
+    def getvalue(self, key: Any) -> Any:
+        """The value of every possible CPU."""
+        return self._widened(ArrayTable.__getitem__(self, key))
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.getvalue(key)
+
+    def __delitem__(self, key: Any) -> None:
+        self.clearitem(key)
+
+
+class PerCpuHash(_PerCpu, Table):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._per_cpu_leaf()
+
+    def getvalue(self, key: Any) -> Any:
+        return self._widened(Table.__getitem__(self, key))
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.getvalue(key)
+
+
+class StackTrace(Table):
+    """Kernel stack traces by stack id."""
+
+    def walk(self, stack_id: int) -> Iterator[int]:
+        """The instruction pointers of one stack, innermost first."""
+        if self.flags & _BPF_F_STACK_BUILD_ID:
+            raise ValueError("build-id stack traces are not supported")
+        stack = self[self.Key(stack_id)]
+        for i in range(STACK_MAX_DEPTH):
+            ip = int(stack.ip[i])
+            if ip == 0:
+                return
+            yield ip
+
+    def clear(self) -> None:
+        """Like bcc: stack trace maps are emptied by deleting ids one by one."""
+
+
+class PerfEventArray(ArrayTable):
+    """A perf event array read through bcc's per-CPU perf readers."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._callbacks: dict[int, tuple[Any, Any]] = {}
+
+    def open_perf_buffer(self, callback: Callable[[int, Any, int], None], page_cnt: int = 8,
+                         lost_cb: Callable[[int], None] | None = None,
+                         wakeup_events: int = 1) -> None:
+        """Call ``callback(cpu, data, size)`` for each record the program
+        submits (from ``perf_buffer_consume``); ``page_cnt`` pages per CPU."""
+        if page_cnt <= 0 or page_cnt & (page_cnt - 1):
+            raise ValueError("Perf buffer page_cnt must be a power of two")
+        for cpu in online_cpus():
+            self._open_perf_buffer(cpu, callback, page_cnt, lost_cb, wakeup_events)
+
+    def _open_perf_buffer(self, cpu: int, callback: Callable[[int, Any, int], None],
+                          page_cnt: int, lost_cb: Callable[[int], None] | None,
+                          wakeup_events: int) -> None:
+        def on_raw(_cookie: Any, data: Any, size: int) -> None:
+            callback(cpu, data, size)
+
+        def on_lost(_cookie: Any, lost: int) -> None:
+            if lost_cb is not None:
+                lost_cb(lost)
+
+        raw_fn = _RAW_CALLBACK(on_raw)
+        lost_fn = _LOST_CALLBACK(on_lost)
+        options = _PerfBufferOptions(pid=-1, cpu=cpu, wakeup_events=wakeup_events)
+        reader = self._lib.bpf_open_perf_buffer_opts(raw_fn, lost_fn, None, page_cnt,
+                                                     ctypes.byref(options))
+        if not reader:
+            code = ctypes.get_errno() or errno.EIO
+            raise OSError(code, f"Could not open perf buffer on CPU {cpu}: "
+                                f"{os.strerror(code)}")
+        try:
+            self[self.Key(cpu)] = self.Leaf(self._lib.perf_reader_fd(reader))
+        except OSError:
+            self._lib.perf_reader_free(reader)
+            raise
+        self.bpf.perf_buffers[(id(self), cpu)] = reader
+        self._callbacks[cpu] = (raw_fn, lost_fn)  # ctypes callbacks must outlive the reader
+
+    def close_perf_buffers(self) -> None:
+        """Take the readers out of the map, then free them."""
+        for cpu in list(self._callbacks):
+            with contextlib.suppress(KeyError, IndexError):
+                super().__delitem__(self.Key(cpu))
+            reader = self.bpf.perf_buffers.pop((id(self), cpu), None)
+            if reader is not None:
+                self._lib.perf_reader_free(reader)
+            del self._callbacks[cpu]
+
+
+_TABLE_CLASSES: dict[int, type[Table]] = {
+    MAP_HASH: Table,
+    MAP_LRU_HASH: Table,
+    MAP_HASH_OF_MAPS: Table,
+    MAP_ARRAY: PlainArray,
+    MAP_PROG_ARRAY: ArrayTable,
+    MAP_ARRAY_OF_MAPS: ArrayTable,
+    MAP_PERF_EVENT_ARRAY: PerfEventArray,
+    MAP_PERCPU_HASH: PerCpuHash,
+    MAP_LRU_PERCPU_HASH: PerCpuHash,
+    MAP_PERCPU_ARRAY: PerCpuArray,
+    MAP_STACK_TRACE: StackTrace,
+}
+
+
+class LoadedProgram:
+    """The daemon's handle on a loaded module: bcc's ``BPF`` object minus
+    the compiler. Owns every descriptor it was given; ``cleanup`` detaches
+    the perf events and closes everything."""
+
+    def __init__(self, maps: dict[bytes, tuple[MapSpec, int]],
+                 functions: dict[bytes, int]) -> None:
+        self._maps = dict(maps)
+        self.funcs = {name: Function(name, fd) for name, fd in functions.items()}
+        self.tables: dict[bytes, Table] = {}
+        self.perf_buffers: dict[tuple[int, int], int] = {}
+        self.open_perf_events: dict[tuple[int, int], dict[int, int]] = {}
+        self._lib = runtime()
+
+    def map_names(self) -> list[bytes]:
+        return list(self._maps)
+
+    def get_table(self, name: bytes | str, keytype: Any = None, leaftype: Any = None) -> Table:
+        """A new table object on map ``name``; types not given are bcc's."""
+        key = name if isinstance(name, bytes) else name.encode()
+        try:
+            spec, fd = self._maps[key]
+        except KeyError:
+            raise KeyError(key) from None
+        if keytype is None:
+            keytype = decode_type(json.loads(spec.key_desc))
+        if leaftype is None:
+            leaftype = decode_type(json.loads(spec.leaf_desc))
+        for what, ctype, size in (("key", keytype, spec.key_size),
+                                  ("value", leaftype, spec.leaf_size)):
+            if ctypes.sizeof(ctype) != size:
+                raise ValueError(f"map {key.decode()}: the {what} type {ctype.__name__} is "
+                                 f"{ctypes.sizeof(ctype)} bytes, the map's {what}s {size}")
+        cls = _TABLE_CLASSES.get(spec.map_type)
+        if cls is None:
+            raise ValueError(f"map {key.decode()}: map type {spec.map_type} is not supported")
+        return cls(self, spec, fd, keytype, leaftype)
+
+    def __getitem__(self, name: bytes) -> Any:
+        if name not in self.tables:
+            self.tables[name] = self.get_table(name)
+        return self.tables[name]
+
+    def perf_buffer_fds(self) -> list[int]:
+        """Descriptors that become readable when a perf buffer has records."""
+        return [int(self._lib.perf_reader_fd(reader)) for reader in self.perf_buffers.values()]
+
+    def perf_buffer_consume(self) -> None:
+        """Run the callbacks of every record waiting in the perf buffers."""
+        readers = (ctypes.c_void_p * len(self.perf_buffers))(*self.perf_buffers.values())
+        self._lib.perf_reader_consume(len(readers), readers)
+
+    def attach_perf_event(self, ev_type: int, ev_config: int, fn_name: bytes,
+                          sample_period: int = 0, sample_freq: int = 0, pid: int = -1,
+                          cpu: int = -1, group_fd: int = -1) -> None:
+        """Run program ``fn_name`` on a perf event on one CPU, or on each
+        online CPU; all or nothing."""
+        program = self.funcs[fn_name]
+        opened: dict[int, int] = {}
+        try:
+            for each in [cpu] if cpu >= 0 else online_cpus():
+                fd = self._lib.bpf_attach_perf_event(program.fd, ev_type, ev_config,
+                                                     sample_period, sample_freq, pid, each,
+                                                     group_fd)
+                if fd < 0:
+                    code = ctypes.get_errno() or errno.EIO
+                    raise OSError(code, f"Failed to attach BPF to perf event on CPU {each}: "
+                                        f"{os.strerror(code)}")
+                opened[each] = fd
+        except OSError:
+            for fd in opened.values():
+                self._lib.bpf_close_perf_event_fd(fd)
+            raise
+        self.open_perf_events[(ev_type, ev_config)] = opened
+
+    def detach_perf_event(self, ev_type: int, ev_config: int) -> None:
+        for fd in self.open_perf_events.pop((ev_type, ev_config)).values():
+            self._lib.bpf_close_perf_event_fd(fd)
+
+    def cleanup(self) -> None:
+        """Detach the perf events, free the perf readers, close every map
+        and program descriptor (the kernel unloads what nothing else holds)."""
+        for event in list(self.open_perf_events):
+            self.detach_perf_event(*event)
+        for table in self.tables.values():
+            if isinstance(table, PerfEventArray):
+                table.close_perf_buffers()
+        self.tables.clear()
+        for reader in self.perf_buffers.values():  # of tables made by get_table()
+            self._lib.perf_reader_free(reader)
+        self.perf_buffers.clear()
+        for function in self.funcs.values():
+            os.close(function.fd)
+        self.funcs.clear()
+        for _spec, fd in self._maps.values():
+            os.close(fd)
+        self._maps.clear()
