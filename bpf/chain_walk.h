@@ -7,10 +7,11 @@
  * tp_user_stack.tramp (ip = the stub's start, sp = the record's address),
  * innermost first, mixed into both stack hashes. Works without frame pointers.
  *
- * Maps: chain_procs (the process's TLS offset and stub stride) and stub_pages
- * (arena page -> arena start, to validate `self`), through the accessors
- * chain_proc_of() and stub_arena_of() defined in profile.bpf.c (bcc rewrites
- * map calls only in the main file); reads the stack through stack_pair().
+ * Maps: the process's chain_procs entry (TLS offset and stub stride), looked
+ * up by the caller and passed in, and stub_pages (arena page -> arena start,
+ * to validate `self`) through the accessor stub_arena_of() defined in
+ * profile.bpf.c (bcc rewrites map calls only in the main file); reads the
+ * stack through stack_pair().
  *
  * Limits: at most TP_MAX_TRAMP records (more: TP_CHAIN_TRUNCATED). Stops at
  * the first record that fails validation - unreadable, misaligned, not above
@@ -29,11 +30,10 @@
  * validated: above the previous one on the stack, and `self` an exact stub
  * start inside one of the process's arenas. No frame pointers needed. */
 static __always_inline int walk_chain(struct tp_user_stack *st, struct tp_stack_page *copy,
-                                      __u64 *copied, __u32 tgid, void *task, __u64 *hash,
-                                      __u64 *check)
+                                      __u64 *copied, __u32 tgid, struct tp_chain_proc *proc,
+                                      __u64 *hash, __u64 *check)
 {
     st->nr_tramp = 0;
-    struct tp_chain_proc *proc = chain_proc_of(&tgid);
     if (!proc || proc->stub_stride == 0)
         return 0;
     if (proc->paused_addr) {
@@ -49,7 +49,8 @@ static __always_inline int walk_chain(struct tp_user_stack *st, struct tp_stack_
             return 1;
         }
     }
-    __u64 fsbase = read_u64(task + TP_OFF_TASK_FSBASE);
+    struct task_struct *task = bpf_get_current_task_btf();
+    __u64 fsbase = TP_FIELD(task, TP_OFF_TASK_FSBASE, __u64);
     __u64 head = 0;
     if (bpf_probe_read_user(&head, sizeof(head), (void *)(fsbase + proc->tls_offset))) {
         st->flags |= TP_CHAIN_INVALID;

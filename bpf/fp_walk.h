@@ -5,7 +5,7 @@
  * the record's stack address; frame 0 is the sampled pc and sp), and starts
  * the two stack hashes over the return addresses.
  *
- * Maps: none of its own; reads the stack through the per-CPU page copy
+ * Maps: none of its own; reads the stack through the per-CPU copy
  * (stack_copy, passed in) with stack_pair().
  *
  * Limits: at most TP_MAX_FRAMES frames (more: TP_USTACK_TRUNCATED); stops at

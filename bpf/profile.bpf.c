@@ -119,10 +119,12 @@ struct tp_table_pending {
     __u64 sp;       /* the sampled sp (the stack scan starts there) */
     __u32 n;        /* frames recorded */
     __u32 stop;     /* why the walk stopped (TP_STEP_*), 0: it did not */
+    __u64 copied;   /* the stack chunk in stack_copy: it carries over between runs */
 };
 
-/* Per-CPU copy of one page of the sampled thread's stack: consecutive chain
- * records lie a few hundred bytes apart, so one page read serves several. */
+/* Per-CPU copy of a piece of the sampled thread's stack (at most a page):
+ * frame and chain records lie tens to hundreds of bytes apart, so one user
+ * read serves several. */
 struct tp_stack_page {
     __u64 words[512];
 };
@@ -133,9 +135,36 @@ struct tp_ustack_key {
     __u32 pad;
 };
 
+/* Per-CPU memo of what target_pids and the per-process walker maps say about
+ * the processes last sampled on this CPU, which mostly runs the same few from
+ * one tick to the next: one cache line read instead of up to four hash
+ * lookups, each a likely cache and TLB miss. A slot holds only under the
+ * config stamp it was made under (tp_config.stamp), so none outlives a change
+ * to those maps. For the walker maps it keeps only that there is no entry: an
+ * entry is looked up for what it holds. */
+#define TP_MEMO_SLOTS 8
+#define TP_MEMO_TARGET 0x1      /* in target_pids */
+#define TP_MEMO_NOT_TARGET 0x2  /* not in target_pids */
+#define TP_MEMO_NO_TABLES 0x4   /* no unwind_procs entry */
+#define TP_MEMO_NO_CHAIN 0x8    /* no chain_procs entry */
+#define TP_MEMO_NO_SCAN 0x10    /* no scan_procs entry */
+
+struct tp_memo_slot {
+    __u64 stamp;    /* 0: empty */
+    __u32 tgid;
+    __u32 known;    /* TP_MEMO_* */
+};
+
+struct tp_memo {
+    struct tp_memo_slot slots[TP_MEMO_SLOTS];
+};
+
 BPF_ARRAY(config, struct tp_config, 1);
 BPF_HASH(target_pids, __u32, __u8, TP_MAX_TARGETS);
 BPF_PERCPU_ARRAY(counters, __u64, TP_CNT_MAX);
+BPF_PERCPU_ARRAY(memos, struct tp_memo, 1);
+/* The last config stamp handed out: stamps only grow. */
+BPF_ARRAY(last_stamp, __u64, 1);
 BPF_PERCPU_ARRAY(scratch, struct tp_user_stack, 1);
 BPF_HASH(counts, struct tp_count_key, __u64, TP_MAX_KEYS);
 BPF_F_TABLE("hash", struct tp_ustack_key, struct tp_user_stack, ustacks, TP_MAX_USTACKS,
@@ -160,6 +189,41 @@ BPF_PERF_OUTPUT(new_processes);
 BPF_STACK_TRACE(kstacks0, TP_MAX_KSTACKS);
 BPF_STACK_TRACE(kstacks1, TP_MAX_KSTACKS);
 
+/* The config's stamp (tp_config.stamp). When the daemon has zeroed it, the
+ * first program to run sets a new one, larger than all before it. The
+ * compare-and-swap is a full barrier: lookups after it see every map change
+ * that preceded the daemon's config write. 0: no stamp, memos unusable. */
+static __always_inline __u64 config_stamp(struct tp_config *cfg)
+{
+    __u64 stamp = *(volatile __u64 *)&cfg->stamp;
+    if (stamp)
+        return stamp;
+    __u32 zero = 0;
+    __u64 *last = last_stamp.lookup(&zero);
+    if (!last)
+        return 0;
+    __u64 fresh = __sync_fetch_and_add(last, 1) + 1;
+    __u64 found = __sync_val_compare_and_swap(&cfg->stamp, 0, fresh);
+    return found ? found : fresh;
+}
+
+/* This CPU's memo slot for `tgid`, emptied if it held another process or an
+ * old stamp; 0 without a stamp. */
+static __always_inline struct tp_memo_slot *memo_slot(__u32 tgid, __u64 stamp)
+{
+    __u32 zero = 0;
+    struct tp_memo *memo = memos.lookup(&zero);
+    if (!memo || !stamp)
+        return 0;
+    struct tp_memo_slot *slot = &memo->slots[tgid % TP_MEMO_SLOTS];
+    if (slot->tgid != tgid || slot->stamp != stamp) {
+        slot->tgid = tgid;
+        slot->stamp = stamp;
+        slot->known = 0;
+    }
+    return slot;
+}
+
 static __always_inline void bump(__u32 counter)
 {
     __u64 *value = counters.lookup(&counter);
@@ -167,12 +231,12 @@ static __always_inline void bump(__u32 counter)
         *value += 1; /* per-CPU slot: no atomics needed */
 }
 
-static __always_inline __u64 read_u64(const void *addr)
-{
-    __u64 value = 0;
-    bpf_probe_read_kernel(&value, sizeof(value), addr);
-    return value;
-}
+/* A kernel struct field, `off` bytes into the struct at `ptr`. `ptr` must come
+ * from a BTF-typed source (bpf_get_current_task_btf(), bpf_task_pt_regs(), a
+ * pointer field loaded this way): the verifier checks the offset against the
+ * kernel's BTF and makes the load fault-safe (a fault reads 0), so it is a
+ * plain load instead of a bpf_probe_read_kernel() call. */
+#define TP_FIELD(ptr, off, type) (*(type *)((char *)(ptr) + (off)))
 
 /* Mixing steps of two independent 64-bit hashes over the return addresses. */
 static __always_inline __u64 mix_a(__u64 h, __u64 v)
@@ -193,39 +257,52 @@ static __always_inline int user_regs(struct bpf_perf_event_data *ctx, __u64 *ip,
                                      __u64 *bp)
 {
     __u64 pc = PT_REGS_IP(&ctx->regs);
+    __u64 usp = PT_REGS_SP(&ctx->regs), ubp = PT_REGS_FP(&ctx->regs);
+    /* Loaded here, before the branch: else the compiler may merge these
+     * context loads with the loads below into one through a pointer that
+     * is either, which the verifier refuses for the context. */
+    asm volatile("" : "+r"(usp), "+r"(ubp));
     if (!(pc >> 63)) {
         *ip = pc;
-        *sp = PT_REGS_SP(&ctx->regs);
-        *bp = PT_REGS_FP(&ctx->regs);
+        *sp = usp;
+        *bp = ubp;
         return 0;
     }
     struct task_struct *task = bpf_get_current_task_btf();
-    void *regs = (void *)bpf_task_pt_regs(task);
+    struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(task);
     if (!regs)
         return -1;
-    *ip = read_u64(regs + TP_OFF_PT_REGS_IP);
-    *sp = read_u64(regs + TP_OFF_PT_REGS_SP);
-    *bp = read_u64(regs + TP_OFF_PT_REGS_BP);
+    *ip = TP_FIELD(regs, TP_OFF_PT_REGS_IP, __u64);
+    *sp = TP_FIELD(regs, TP_OFF_PT_REGS_SP, __u64);
+    *bp = TP_FIELD(regs, TP_OFF_PT_REGS_BP, __u64);
     return *ip ? 0 : -1;
 }
 
+/* Bytes of stack copied per user read, an aligned chunk of a page. A user
+ * read costs a fixed part plus the cache lines it copies (from the stack
+ * and into the per-CPU copy): a page costs several times a small chunk, and
+ * a shallow stack's records fit in one or two chunks. */
+#ifndef TP_STACK_CHUNK_BYTES
+#define TP_STACK_CHUNK_BYTES 1024
+#endif
+#define TP_STACK_CHUNK_WORDS (TP_STACK_CHUNK_BYTES / 8)
+
 /* The two words at `at` (8-aligned) of the sampled thread's stack: a frame
  * record {caller fp, return address} or a chain record {prev, self}. Read
- * through a page copy: a user-memory read costs about the same for 16 bytes
- * as for a page, and consecutive records lie a few hundred bytes apart, so a
- * page is read once and the records in it are taken from the copy. A pair
- * that straddles pages, or a page that cannot be read whole, is read
- * directly. `*copied` is the page in the copy (0: none). */
+ * through the per-CPU copy of the chunk around `at`: consecutive records lie
+ * tens to hundreds of bytes apart, so one user read serves several. A pair
+ * that straddles chunks, or a chunk that cannot be read whole, is read
+ * directly. `*copied` is the chunk in the copy (0: none). */
 static __always_inline int stack_pair(struct tp_stack_page *copy, __u64 *copied, __u64 at,
                                       __u64 record[2])
 {
-    __u64 page = at & ~0xFFFULL;
-    __u32 idx = (at & 0xFFF) >> 3;
-    if (idx <= 510) {
-        if (page != *copied &&
-            bpf_probe_read_user(copy->words, sizeof(copy->words), (void *)page) == 0)
-            *copied = page;
-        if (page == *copied) {
+    __u64 chunk = at & ~(__u64)(TP_STACK_CHUNK_BYTES - 1);
+    __u32 idx = (at & (TP_STACK_CHUNK_BYTES - 1)) >> 3;
+    if (idx <= TP_STACK_CHUNK_WORDS - 2) {
+        if (chunk != *copied &&
+            bpf_probe_read_user(copy->words, TP_STACK_CHUNK_BYTES, (void *)chunk) == 0)
+            *copied = chunk;
+        if (chunk == *copied) {
             record[0] = copy->words[idx];
             record[1] = copy->words[idx + 1];
             return 0;
@@ -236,11 +313,6 @@ static __always_inline int stack_pair(struct tp_stack_page *copy, __u64 *copied,
 
 /* Map accessors for the walkers in the headers below: bcc rewrites map calls
  * (map.lookup()) only in this file, not in the files it includes. */
-static __always_inline struct tp_chain_proc *chain_proc_of(__u32 *tgid)
-{
-    return chain_procs.lookup(tgid);
-}
-
 static __always_inline __u64 *stub_arena_of(struct tp_stub_page *page)
 {
     return stub_pages.lookup(page);
@@ -263,8 +335,64 @@ static __always_inline struct tp_unwind_row *unwind_row(__u32 index)
 #include "stack_scan.h" /* stub return addresses on the stack: scan_step's runs */
 #include "table_walk.h" /* unwind tables for code without frame pointers: table_step's runs */
 
-/* The end of every sample with a user stack: store the stack (deduplicated by
- * hash), announce a new process, count. */
+/* Adds one to `key`'s count, or 0 when the key is new to the buffer. */
+static __always_inline int count_again(struct tp_count_key *key)
+{
+    __u64 *count = counts.lookup(key);
+    if (!count)
+        return 0;
+    __sync_fetch_and_add(count, 1);
+    bump(TP_CNT_RECORDED);
+    return 1;
+}
+
+/* Counts a sample under a key new to the buffer. */
+static __always_inline int count_new(struct tp_count_key *key)
+{
+    __u64 one = 1;
+    if (counts.update(key, &one) != 0) {
+        /* Another CPU may have inserted the key meanwhile; retry once. */
+        if (!count_again(key))
+            bump(TP_CNT_LOST_COUNTS_FULL);
+        return 0;
+    }
+    bump(TP_CNT_RECORDED);
+    return 0;
+}
+
+/* A sample without a user stack. */
+static __always_inline int count_sample(struct tp_count_key *key)
+{
+    if (!count_again(key))
+        count_new(key);
+    return 0;
+}
+
+/* Sent once per process image (its first sample with a user stack), so the
+ * daemon reads its maps and binaries while it still runs. */
+static __always_inline void announce_process(struct bpf_perf_event_data *ctx,
+                                             struct tp_count_key *key)
+{
+    struct tp_process_seen seen = {.tgid = key->sample.tgid,
+                                   .start_boottime = key->sample.start_boottime,
+                                   .exec_id = key->sample.exec_id};
+    if (!seen_processes.lookup(&seen)) {
+        __u8 yes = 1;
+        seen_processes.update(&seen, &yes);
+        new_processes.perf_submit(ctx, &seen, sizeof(seen));
+    }
+}
+
+/* The end of every sample with a user stack: its flags counted, then its
+ * count. A key new to this buffer stores the stack (deduplicated by hash,
+ * checked against a stored stack with that hash), announces the process image
+ * if that is new too, and is added. A key already counted in this buffer
+ * needs none of that, so the common case is one lookup: the key holds the
+ * stack's hash and the process image, and was added only after its stack was
+ * stored or found equal to the stored one, which stays until the buffer is
+ * drained. (A stack colliding with another process's has another key, and is
+ * checked; only two stacks of one process image, thread name and kernel
+ * stack with one 64-bit hash would share a key unchecked.) */
 static __always_inline int finish_sample(struct bpf_perf_event_data *ctx,
                                          struct tp_count_key *key, struct tp_user_stack *st,
                                          __u64 hash, __u64 check, int mode)
@@ -286,6 +414,9 @@ static __always_inline int finish_sample(struct bpf_perf_event_data *ctx,
     if (st->flags & TP_USTACK_TRUNCATED)
         bump(TP_CNT_USTACK_TRUNCATED);
 
+    key->sample.ustack_hash = hash;
+    if (count_again(key))
+        return 0;
     struct tp_ustack_key skey = {.hash = hash, .buffer = key->buffer};
     struct tp_user_stack *stored = ustacks.lookup(&skey);
     if (stored) {
@@ -298,49 +429,37 @@ static __always_inline int finish_sample(struct bpf_perf_event_data *ctx,
         bump(TP_CNT_LOST_USTACKS_FULL);
         return 0;
     }
-    key->sample.ustack_hash = hash;
-
-    struct tp_process_seen seen = {.tgid = key->sample.tgid,
-                                   .start_boottime = key->sample.start_boottime,
-                                   .exec_id = key->sample.exec_id};
-    if (!seen_processes.lookup(&seen)) {
-        __u8 yes = 1;
-        seen_processes.update(&seen, &yes);
-        new_processes.perf_submit(ctx, &seen, sizeof(seen));
-    }
-    return 1;
-}
-
-static __always_inline int count_sample(struct tp_count_key *key)
-{
-    __u64 one = 1;
-    __u64 *count = counts.lookup(key);
-    if (count) {
-        __sync_fetch_and_add(count, 1);
-    } else if (counts.update(key, &one) != 0) {
-        /* Another CPU may have inserted the key meanwhile; retry once. */
-        count = counts.lookup(key);
-        if (!count) {
-            bump(TP_CNT_LOST_COUNTS_FULL);
-            return 0;
-        }
-        __sync_fetch_and_add(count, 1);
-    }
-    bump(TP_CNT_RECORDED);
-    return 0;
+    announce_process(ctx, key);
+    return count_new(key);
 }
 
 /* After the native walk (FP or tables): the trampoline frames (chain walk
- * here, or the scan's runs by tail call), then store and count. */
+ * here, or the scan's runs by tail call), then store and count. `memo`: this
+ * CPU's memo slot for the process, 0 for none. */
 static __always_inline int after_native(struct bpf_perf_event_data *ctx, struct tp_count_key *key,
                                         struct tp_user_stack *st, struct tp_stack_page *copy,
-                                        __u64 *copied, __u64 sp, __u64 hash, __u64 check)
+                                        __u64 *copied, __u64 sp, __u64 hash, __u64 check,
+                                        struct tp_memo_slot *memo)
 {
     __u32 zero = 0;
     __u32 tgid = key->sample.tgid;
-    void *task = (void *)bpf_get_current_task();
-    int chained = walk_chain(st, copy, copied, tgid, task, &hash, &check);
-    if (!chained && scan_procs.lookup(&tgid)) {
+    __u32 known = memo ? memo->known : 0;
+    struct tp_chain_proc *chain = 0;
+    if (!(known & TP_MEMO_NO_CHAIN)) {
+        chain = chain_procs.lookup(&tgid);
+        if (!chain)
+            known |= TP_MEMO_NO_CHAIN;
+    }
+    int chained = walk_chain(st, copy, copied, tgid, chain, &hash, &check);
+    int scanned = 0;
+    if (!chained && !(known & TP_MEMO_NO_SCAN)) {
+        scanned = scan_procs.lookup(&tgid) != 0;
+        if (!scanned)
+            known |= TP_MEMO_NO_SCAN;
+    }
+    if (memo)
+        memo->known = known;
+    if (scanned) {
         struct tp_pending *p = pending.lookup(&zero);
         struct tp_scan_scratch *sc = scan_scratch.lookup(&zero);
         if (p && sc) {
@@ -357,9 +476,7 @@ static __always_inline int after_native(struct bpf_perf_event_data *ctx, struct 
         }
         /* No scan program (or no slot): the sample keeps its native frames. */
     }
-    if (!finish_sample(ctx, key, st, hash, check, TP_CNT_CHAIN_SAMPLES))
-        return 0;
-    return count_sample(key);
+    return finish_sample(ctx, key, st, hash, check, TP_CNT_CHAIN_SAMPLES);
 }
 
 /* One run of the table walk, tail-called by on_sample and by itself. */
@@ -376,7 +493,7 @@ int table_step_run(struct bpf_perf_event_data *ctx)
     struct tp_unwind_proc *proc = unwind_procs.lookup(&tgid);
     int over = 1;
     if (proc)
-        over = table_run(st, copy, proc, r, &p->n, &p->hash, &p->check, &p->stop);
+        over = table_run(st, copy, &p->copied, proc, r, &p->n, &p->hash, &p->check, &p->stop);
     if (!over) {
         table_programs.call(ctx, 0);
         /* Tail call refused (the limit is reached): keep what was found. */
@@ -389,8 +506,8 @@ int table_step_run(struct bpf_perf_event_data *ctx)
     else if (p->stop == TP_STEP_STOP_UNSUPPORTED)
         bump(TP_CNT_TABLE_STOP_UNSUPPORTED);
     struct tp_count_key key = p->key;
-    __u64 copied = 0;
-    return after_native(ctx, &key, st, copy, &copied, p->sp, p->hash, p->check);
+    __u64 copied = p->copied;
+    return after_native(ctx, &key, st, copy, &copied, p->sp, p->hash, p->check, 0);
 }
 
 /* One run of the stack scan, tail-called by on_sample and by itself. */
@@ -421,9 +538,7 @@ int scan_step(struct bpf_perf_event_data *ctx)
         if (value)
             *value += sc->stale;
     }
-    if (finish_sample(ctx, &p->key, st, p->hash, p->check, TP_CNT_SCAN_SAMPLES))
-        return count_sample(&p->key);
-    return 0;
+    return finish_sample(ctx, &p->key, st, p->hash, p->check, TP_CNT_SCAN_SAMPLES);
 }
 
 int on_sample(struct bpf_perf_event_data *ctx)
@@ -440,9 +555,18 @@ int on_sample(struct bpf_perf_event_data *ctx)
     struct tp_config *cfg = config.lookup(&zero);
     if (!cfg)
         return 0;
-    if (cfg->filter_pids && !target_pids.lookup(&tgid)) {
-        bump(TP_CNT_FILTERED);
-        return 0;
+    struct tp_memo_slot *memo = memo_slot(tgid, config_stamp(cfg));
+    __u32 known = memo ? memo->known : 0;
+    if (cfg->filter_pids) {
+        if (!(known & (TP_MEMO_TARGET | TP_MEMO_NOT_TARGET))) {
+            known |= target_pids.lookup(&tgid) ? TP_MEMO_TARGET : TP_MEMO_NOT_TARGET;
+            if (memo)
+                memo->known = known;
+        }
+        if (known & TP_MEMO_NOT_TARGET) {
+            bump(TP_CNT_FILTERED);
+            return 0;
+        }
     }
     __u32 buffer = cfg->active_buffer & 1;
 
@@ -451,15 +575,13 @@ int on_sample(struct bpf_perf_event_data *ctx)
     key.sample.tgid = tgid;
     bpf_get_current_comm(&key.sample.comm, sizeof(key.sample.comm));
 
-    void *task = (void *)bpf_get_current_task();
-    void *leader = (void *)read_u64(task + TP_OFF_TASK_GROUP_LEADER);
-    key.sample.start_boottime = read_u64(leader + TP_OFF_TASK_START_BOOTTIME);
+    struct task_struct *task = bpf_get_current_task_btf();
+    struct task_struct *leader = TP_FIELD(task, TP_OFF_TASK_GROUP_LEADER, struct task_struct *);
+    key.sample.start_boottime = TP_FIELD(leader, TP_OFF_TASK_START_BOOTTIME, __u64);
 #if TP_SIZE_TASK_SELF_EXEC_ID == 8
-    key.sample.exec_id = read_u64(leader + TP_OFF_TASK_SELF_EXEC_ID);
+    key.sample.exec_id = TP_FIELD(leader, TP_OFF_TASK_SELF_EXEC_ID, __u64);
 #else
-    __u32 exec_id32 = 0;
-    bpf_probe_read_kernel(&exec_id32, sizeof(exec_id32), leader + TP_OFF_TASK_SELF_EXEC_ID);
-    key.sample.exec_id = exec_id32;
+    key.sample.exec_id = TP_FIELD(leader, TP_OFF_TASK_SELF_EXEC_ID, __u32);
 #endif
 
     /* Kernel stack only when the sample interrupted kernel code. */
@@ -475,8 +597,7 @@ int on_sample(struct bpf_perf_event_data *ctx)
         }
     }
 
-    __u32 task_flags = 0;
-    bpf_probe_read_kernel(&task_flags, sizeof(task_flags), task + TP_OFF_TASK_FLAGS);
+    __u32 task_flags = TP_FIELD(task, TP_OFF_TASK_FLAGS, __u32);
     __u64 ip = 0, sp = 0, fp = 0;
     if (task_flags & TP_PF_KTHREAD) {
         bump(TP_CNT_KERNEL_THREAD);
@@ -485,7 +606,13 @@ int on_sample(struct bpf_perf_event_data *ctx)
         struct tp_stack_page *copy = stack_copy.lookup(&zero);
         if (!st || !copy)
             return 0;
-        if (unwind_procs.lookup(&tgid)) {
+        int tabled = 0;
+        if (!(known & TP_MEMO_NO_TABLES)) {
+            tabled = unwind_procs.lookup(&tgid) != 0;
+            if (!tabled && memo)
+                memo->known = known | TP_MEMO_NO_TABLES;
+        }
+        if (tabled) {
             struct tp_table_pending *p = table_pending.lookup(&zero);
             struct tp_table_regs *r = table_regs.lookup(&zero);
             if (p && r) {
@@ -500,6 +627,7 @@ int on_sample(struct bpf_perf_event_data *ctx)
                 p->sp = sp;
                 p->n = 1;
                 p->stop = 0;
+                p->copied = 0;
                 r->ip = ip;
                 r->sp = sp;
                 r->bp = fp;
@@ -511,7 +639,7 @@ int on_sample(struct bpf_perf_event_data *ctx)
         }
         __u64 hash = 0, copied = 0;
         walk_user(st, copy, &copied, ip, sp, fp, &hash);
-        return after_native(ctx, &key, st, copy, &copied, sp, hash, st->check);
+        return after_native(ctx, &key, st, copy, &copied, sp, hash, st->check, memo);
     }
     return count_sample(&key);
 }

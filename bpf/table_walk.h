@@ -11,7 +11,8 @@
  *
  * Maps: unwind_procs (per process, via unwind_proc_of), the row chunks
  * (unwind_chunks, an array of array maps, via unwind_row); reads the stack
- * through the per-CPU page copy with stack_pair().
+ * through the per-CPU stack copy with stack_pair(); which chunk the copy
+ * holds is kept in table_pending, so a run reuses what the last one read.
  *
  * Limits: TP_TABLE_FRAMES_PER_RUN frames per program run, tail calls for the
  * rest up to TP_MAX_FRAMES; a mapping search of at most log2(64) + 1 steps, a
@@ -174,10 +175,10 @@ static __always_inline int table_step(struct tp_unwind_proc *proc, struct tp_sta
 /* One program run: up to TP_TABLE_FRAMES_PER_RUN frames after the `*n`
  * recorded so far. Returns 1 when the walk is over, 0 when frames remain. */
 static __always_inline int table_run(struct tp_user_stack *st, struct tp_stack_page *copy,
-                                     struct tp_unwind_proc *proc, struct tp_table_regs *r,
-                                     __u32 *n, __u64 *hash, __u64 *check, __u32 *stop)
+                                     __u64 *copied, struct tp_unwind_proc *proc,
+                                     struct tp_table_regs *r, __u32 *n, __u64 *hash,
+                                     __u64 *check, __u32 *stop)
 {
-    __u64 copied = 0;
     __u32 flags = st->flags;
     __u32 at = *n;
     int over = 0;
@@ -189,7 +190,7 @@ static __always_inline int table_run(struct tp_user_stack *st, struct tp_stack_p
             break;
         }
         __u64 slot = 0;
-        int step = table_step(proc, copy, &copied, r, &slot, &flags);
+        int step = table_step(proc, copy, copied, r, &slot, &flags);
         if (step != TP_STEP_NEXT) {
             if (step == TP_STEP_STOP_NONE || step == TP_STEP_STOP_UNSUPPORTED) {
                 flags |= TP_TABLE_STOP;

@@ -61,6 +61,13 @@ enum tp_counter {
 struct tp_config {
     __u32 active_buffer;   /* 0 or 1: which buffer the programs write */
     __u32 filter_pids;     /* 1: record only tgids present in target_pids */
+    /* 0 in every config the daemon writes, and it writes the config after
+     * every change to target_pids and every entry it adds to a per-process
+     * walker map (chain_procs, scan_procs, unwind_procs); a program that
+     * finds 0 sets a new stamp, larger than all before. The programs' per-CPU
+     * memos of lookups in those maps hold only under the stamp they were made
+     * under (tp_memo in profile.bpf.c). */
+    __u64 stamp;
 };
 
 struct tp_frame {
@@ -72,12 +79,14 @@ struct tp_user_stack {
     __u32 nr;
     __u32 flags;
     __u64 check;   /* second, independent hash: detects key collisions */
+    /* Entries of tramp[]; beside nr and check, which a stored stack is
+     * compared by, so that takes one cache line. */
+    __u32 nr_tramp;
+    __u32 pad;
     struct tp_frame frames[TP_MAX_FRAMES];
     /* Trampoline frames, from the chain walk or the stack scan, innermost
      * first: ip = stub start, sp = the stack address of the chain record or
      * of the scanned return address (orders them among the native frames). */
-    __u32 nr_tramp;
-    __u32 pad;
     struct tp_frame tramp[TP_MAX_TRAMP];
 };
 

@@ -70,7 +70,9 @@ COUNTER_COUNT = len(Counter)
 
 
 class Config(ctypes.Structure):
-    _fields_ = [("active_buffer", ctypes.c_uint32), ("filter_pids", ctypes.c_uint32)]
+    # stamp: 0 in every write; the BPF programs set it (tp_config.stamp).
+    _fields_ = [("active_buffer", ctypes.c_uint32), ("filter_pids", ctypes.c_uint32),
+                ("stamp", ctypes.c_uint64)]
 
 
 class Frame(ctypes.Structure):
@@ -82,9 +84,9 @@ class UserStack(ctypes.Structure):
         ("nr", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
         ("check", ctypes.c_uint64),
-        ("frames", Frame * MAX_FRAMES),
         ("nr_tramp", ctypes.c_uint32),
         ("pad", ctypes.c_uint32),
+        ("frames", Frame * MAX_FRAMES),
         ("tramp", Frame * MAX_TRAMP),
     ]
 

@@ -395,6 +395,7 @@ class Sampler:
     def install(self, tgid: int, walker: bytes, record: ctypes.Structure,
                 arenas: Iterable[tuple[int, int]]) -> None:
         self.maps.install(tgid, walker, record, arenas)
+        self._write_config()  # the programs' memos of absent entries are void
 
     def remove(self, tgid: int, walker: bytes) -> None:
         self.maps.remove(tgid, walker)
@@ -409,6 +410,7 @@ class Sampler:
     def set_unwind_process(self, tgid: int,
                            mappings: Sequence[bpf_layout.UnwindMapping]) -> None:
         self.tables.set_process(tgid, mappings)
+        self._write_config()  # the programs' memos of absent entries are void
 
     def remove_unwind_process(self, tgid: int) -> None:
         self.tables.remove_process(tgid)
