@@ -432,7 +432,11 @@ class SeriesTracker:
                 group.fold_self(sum(selfs.get(name, 0) for name, _ in excess), now)
                 dropped[(_FUNCTIONS, "budget" if group.overflow else "top_k")] += len(excess)
 
-        candidates.sort(key=lambda c: (-c[0], c[1]))
+        # Largest count first, stacks before functions at equal counts, else
+        # in arrival order: two stable sorts on C-level keys (a full budget
+        # turns every refused group's stacks into candidates at every drain).
+        candidates.sort(key=itemgetter(1))
+        candidates.sort(key=itemgetter(0), reverse=True)
         refused: set[_Key] = set()
         for count, kind, key, label in candidates:
             cost = 1 if kind == _STACK else 2

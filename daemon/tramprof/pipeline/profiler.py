@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import logging
 import select
 import time
@@ -42,6 +43,33 @@ log = logging.getLogger(__name__)
 # A process whose handling failed is left alone this long (seconds), so a
 # process that fails every time costs one attempt per back-off, not per drain.
 ERROR_BACKOFF_SECONDS = 60.0
+# Between drains the unwinding modes are refreshed at most once a second (as
+# when the loop wakes on its one-second timeout alone), and less often when
+# a refresh costs more than this share of the time until the next one: a
+# refresh re-reads every runtime's descriptor (tens of ms of CPU for a
+# hundred Python processes), and on a busy host process events wake the
+# loop dozens of times a second. After every drain they are refreshed anyway.
+MODE_REFRESH_SECONDS = 1.0
+MODE_REFRESH_SHARE = 0.05
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while a drain turns samples into stacks.
+
+    A busy interval makes tens of thousands of samples, frame lists and
+    stacks, nearly all kept (the stored windows hold them); with the
+    collector on, the collections they trigger walk the daemon's whole heap,
+    stored windows included, again and again for no garbage (a third of a
+    999 Hz drain's time on a busy host). One collection runs afterwards.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def sampler_config(config: Config) -> SamplerConfig:
@@ -135,8 +163,12 @@ class Profiler:
         # pid -> the maps generation its unwinding modes last looked at.
         self._considered: dict[int, int] = {}
         self._sampled: dict[int, ProcessImage] = {}
+        self._next_mode_refresh = float("-inf")  # monotonic seconds
 
     def start(self) -> None:
+        # Compile first, while this process is still small: the compiler
+        # child's peak (~130 MB) adds to ours.
+        self.sampler.load()
         # Parse kallsyms now (~0.5 s of CPU), before sampling starts: new
         # processes must be looked at within milliseconds of their first sample.
         if not self.kernel.available:
@@ -156,13 +188,24 @@ class Profiler:
         ``wake_fds`` is readable, then handle events: a process sampled for the
         first time must be looked at while it still runs, which may be only
         milliseconds."""
+        # poll, not select: descriptors past 1023 (a busy host's held
+        # files push them there) are fine.
+        ready = select.poll()
+        for fd in (*self.event_fds(), *wake_fds):
+            ready.register(fd, select.POLLIN)
         with contextlib.suppress(InterruptedError):
-            select.select([*self.event_fds(), *wake_fds], [], [], max(0.0, timeout))
+            ready.poll(max(0.0, timeout) * 1000)
         self.poll_process_events()
 
     def poll_process_events(self) -> None:
         """Warm newly sampled processes, queue lifecycle events (applied after
-        the next drain)."""
+        the next drain), refresh the unwinding modes when due."""
+        if self._handle_process_events() or time.monotonic() >= self._next_mode_refresh:
+            self._refresh_modes()
+
+    def _handle_process_events(self) -> bool:
+        """Warm newly sampled processes, queue lifecycle events; True if the
+        processes were checked against /proc (some may be gone: refresh now)."""
         for tgid, start, exec_id in self.sampler.new_processes():
             if self.errors.backing_off(tgid):
                 continue
@@ -176,10 +219,11 @@ class Profiler:
         for event in events:
             self.stats.process_events[event.kind] += 1
         self.stats.process_events["overrun"] = self.events.overruns
-        if self.events.take_resync_request():
+        resynced = self.events.take_resync_request()
+        if resynced:
             self.registry.resync()
-        self._refresh_modes()
         self.registry.defer(events)
+        return resynced
 
     def _consider(self, pid: int, image: ProcessImage) -> None:
         """Let the modes look at a process whose maps they have not seen yet:
@@ -206,6 +250,15 @@ class Profiler:
         self.unwinders.forget(pid)
 
     def _refresh_modes(self) -> None:
+        began, cpu_began = time.monotonic(), time.thread_time()
+        try:
+            self._refresh_modes_now()
+        finally:
+            cost = time.thread_time() - cpu_began
+            self._next_mode_refresh = began + max(MODE_REFRESH_SECONDS,
+                                                  cost / MODE_REFRESH_SHARE)
+
+    def _refresh_modes_now(self) -> None:
         live = {identity.pid for identity in self.registry.identities()}
         self.errors.forget_exited(live)
         for pid in [p for p in self._considered if p not in live]:
@@ -224,24 +277,26 @@ class Profiler:
     def collect(self) -> list[Stack]:
         """Drain the kernel buffers and return this interval's named stacks."""
         began = time.monotonic()
-        samples = self.sampler.drain()
-        # Newest image first: it is the one /proc shows now (see symbols.images).
-        samples.sort(key=lambda s: (s.tgid, s.start_boottime_ns, -s.exec_id))
-        stacks = []
-        for sample in samples:
-            try:
-                self.unwinders.note_sample(sample)
-                stacks.append(self._symbolize(sample))
-            except Exception:
-                # A bug in one stack must not stop the daemon; count it, keep the rest.
-                self.stats.symbolization_failures["internal_error"] += sample.count
-                log.exception("cannot symbolize a sample of pid %d", sample.tgid)
+        with _gc_paused():
+            samples = self.sampler.drain()
+            # Newest image first: it is the one /proc shows now (see symbols.images).
+            samples.sort(key=lambda s: (s.tgid, s.start_boottime_ns, -s.exec_id))
+            stacks = []
+            for sample in samples:
+                try:
+                    self.unwinders.note_sample(sample)
+                    stacks.append(self._symbolize(sample))
+                except Exception:
+                    # A bug in one stack must not stop the daemon; count it, keep the rest.
+                    self.stats.symbolization_failures["internal_error"] += sample.count
+                    log.exception("cannot symbolize a sample of pid %d", sample.tgid)
         sampled, self._sampled = self._sampled, {}
         for pid, image in sampled.items():
             if not self.errors.backing_off(pid):
                 with self.errors.boundary(pid, "unwind_consider", partial(self._drop, pid)):
                     self._consider(pid, image)
-        self.poll_process_events()
+        # The modes are refreshed below, once the pending events are applied.
+        self._handle_process_events()
         self.registry.apply_pending()
         # A process whose main thread exits first sends no process-level exit
         # event; a /proc check after every drain catches it.

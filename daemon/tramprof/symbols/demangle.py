@@ -141,10 +141,15 @@ class _CxxWorker:
     def _read_line(self) -> bytes:
         assert self._proc is not None and self._proc.stdout is not None
         fd = self._proc.stdout.fileno()
+        # poll, not select: a daemon watching hundreds of processes holds
+        # over a thousand descriptors, and select() refuses those past 1023
+        # (the worker, started late, gets one).
+        readable = select.poll()
+        readable.register(fd, select.POLLIN)
         deadline = time.monotonic() + self.timeout
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not readable.poll(left * 1000):
                 self.stop()
                 raise _WorkerFailed(TIMEOUT)
             chunk = os.read(fd, 65536)

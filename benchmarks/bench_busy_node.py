@@ -1,0 +1,525 @@
+"""The daemon's cost on a busy node: 200 processes with thousands of distinct
+stacks per interval, and short-lived processes starting all the time.
+
+Workload (generated, see ``busy_workloads.py``), all running at once and
+duty-cycled so that together they keep about ``--load`` CPUs busy:
+
+* Python applications under the trampoline runtime (``python3 -m
+  tramprof_trampolines app.py``): 300 functions each, random call paths
+  6-40 calls deep;
+* native applications of 300 functions, half built with frame pointers and
+  half without (unwind tables);
+* ``node --perf-basic-prof`` applications, when ``node`` is installed;
+* short-lived native processes, ``--spawn-rate`` fork+exec per second.
+
+One ``tramprof run`` (default settings but the frequency, all CPUs) is
+started with the workers stopped (its BPF compile is not what is measured),
+left to warm up (at least ``--warmup`` s and until its helper threads, the
+unwind table compiler, are idle, at most ``--max-warmup`` s), then measured
+at each frequency in turn (a configuration reload switches it): over a
+steady window, its CPU (utime+stime of it and its children, % of one core;
+and of its main thread alone, the one that drains), each drain's duration
+(``tramprof_drain_duration_seconds``, read every ``--poll`` seconds: the
+drain and symbolization, not the series update after it), RSS (steady
+VmRSS, peak VmHWM); then full ``/metrics`` scrape latency (gzip, as
+Prometheus asks) and the distinct folded stacks of single drained windows.
+
+Every worker runs in one process group that is killed on exit, failure or
+Ctrl-C, and dies with this script anyway (``PR_SET_PDEATHSIG``).
+
+Run (root): ``.venv/bin/python benchmarks/bench_busy_node.py`` (about 6
+minutes; ``--tramprof`` measures another build, e.g. a checkout of an older
+revision, for before/after figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gzip
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import busy_workloads
+from common import HERE, TRAMPROF, Daemon, free_port, install_trampolines, median
+from prometheus_client.parser import text_string_to_metric_families
+
+TARGETS = {99: {"cpu": 1.0, "drain_ms": 200.0, "rss_mib": 150.0}}
+FUNCTIONS = 300
+PERIOD_S = 0.25
+SHORT_BUSY_US = 5000
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Workers:
+    """The workload processes, all in one process group."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.kinds: dict[int, str] = {}
+        self.pgid = 0
+        self.cwd = cwd  # whatever the runtimes leave behind goes there
+
+    def start(self, kind: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        proc = subprocess.Popen(argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, process_group=self.pgid,
+                                preexec_fn=_die_with_parent)
+        if not self.pgid:
+            self.pgid = proc.pid
+        self.procs.append(proc)
+        self.kinds[proc.pid] = kind
+
+    def pause(self, paused: bool) -> None:
+        """Stop or continue every worker (the daemon's start-up is not measured)."""
+        if self.pgid:
+            os.killpg(self.pgid, signal.SIGSTOP if paused else signal.SIGCONT)
+
+    def dead(self) -> list[str]:
+        return [f"{self.kinds[p.pid]} pid {p.pid} (exit {p.returncode})"
+                for p in self.procs if p.poll() is not None]
+
+    def stop(self) -> None:
+        if self.pgid:
+            with suppress(ProcessLookupError):
+                os.killpg(self.pgid, signal.SIGKILL)
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+            # Trampoline runtimes and node leave their perf maps behind.
+            Path(f"/tmp/perf-{proc.pid}.map").unlink(missing_ok=True)
+
+
+class LoggedDaemon(Daemon):
+    """``common.Daemon`` with its log kept in a file (budget warnings matter here)."""
+
+    def __init__(self, log: IO[bytes], *args: str, tramprof: str = TRAMPROF) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [tramprof, "run", "--listen", f"127.0.0.1:{self.port}", *args],
+            stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                self.get("/healthz")
+                return
+            except urllib.error.HTTPError:
+                return  # serving; unhealthy only until its first drain
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop_quietly()
+                    raise RuntimeError(f"daemon did not start (exit "
+                                       f"{self.proc.returncode})") from None
+                time.sleep(0.2)
+
+    def stop_quietly(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def cpu_with_children(self) -> float:
+        """CPU seconds of the daemon, its reaped children and its live ones."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for stat in [Path(f"/proc/{self.proc.pid}/stat"), *self._child_stats()]:
+            with suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                total += sum(int(f) for f in fields[11:15])
+        return total / tick
+
+    def helper_threads_cpu(self, main: bool = False) -> float:
+        """CPU seconds of the daemon's threads but its main one (``main``: of
+        the main one alone)."""
+        total = 0
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            if (task.name == str(self.proc.pid)) == main:
+                with suppress(OSError):
+                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                    total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def _child_stats(self) -> Iterator[Path]:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with suppress(OSError):
+                    if int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1]) \
+                            == self.proc.pid:
+                        yield entry / "stat"
+
+    def metrics(self, *names: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        query = "&".join(f"name[]={n}" for n in names)
+        text = self.get(f"/metrics?{query}" if names else "/metrics")
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def status(self, key: str) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+
+def build(work: Path, args: argparse.Namespace) -> tuple[dict[str, list[str]],
+                                                                      list[str]]:
+    """Generate and build the applications; returns argv prefixes by kind
+    (each to be completed with its duty cycle and seed) and the spawner's argv."""
+    cc = ["gcc", "-O2", "-fno-inline", "-fno-optimize-sibling-calls"]
+    apps: dict[str, list[str]] = {"python": [], "native": [], "node": []}
+    for index in range(4):
+        src = work / f"napp{index}.c"
+        busy_workloads.native_app(src, FUNCTIONS, seed=100 + index)
+        fp = "-fno-omit-frame-pointer" if index % 2 == 0 else "-fomit-frame-pointer"
+        exe = work / f"napp{index}{'' if index % 2 == 0 else '_nofp'}"
+        subprocess.run([*cc, fp, "-o", str(exe), str(src)], check=True)
+        apps["native"].append(str(exe))
+        script = work / f"pyapp{index}.py"
+        busy_workloads.python_app(script, f"pyapp{index}", FUNCTIONS, seed=200 + index)
+        apps["python"].append(str(script))
+    for index in range(2):
+        script = work / f"nodeapp{index}.js"
+        busy_workloads.node_app(script, f"nodeapp{index}", FUNCTIONS, seed=300 + index)
+        apps["node"].append(str(script))
+    busy_workloads.native_app(work / "shortjob.c", FUNCTIONS, seed=400)
+    subprocess.run([*cc, "-fno-omit-frame-pointer", "-o", str(work / "shortjob"),
+                    str(work / "shortjob.c")], check=True)
+    subprocess.run(["gcc", "-O2", "-o", str(work / "spawner"), str(HERE / "spawner.c")],
+                   check=True)
+    spawner = [str(work / "spawner"), str(args.spawn_rate), str(work / "shortjob"),
+               str(SHORT_BUSY_US), "0", "7"]
+    return apps, spawner
+
+
+def start_workers(workers: Workers, apps: dict[str, list[str]], spawner: list[str],
+                  counts: dict[str, int], load: float, spawn_rate: float,
+                  py_env: dict[str, str]) -> None:
+    short_load = spawn_rate * SHORT_BUSY_US / 1e6
+    per_process = max(0.0, load - short_load) / sum(counts.values())
+    busy = per_process * PERIOD_S
+    rng = random.Random(1)
+    plan = [(kind, i) for kind, n in counts.items() for i in range(n)]
+    rng.shuffle(plan)
+    node = shutil.which("node")
+    for kind, i in plan:
+        seed = str(rng.randrange(1 << 30))
+        app = apps[kind][i % len(apps[kind])]
+        if kind == "python":
+            workers.start(kind, ["/usr/bin/python3", "-m", "tramprof_trampolines", app,
+                                 f"{busy:.6f}", str(PERIOD_S), seed], py_env)
+        elif kind == "native":
+            workers.start(kind, [app, f"{busy * 1e6:.0f}", f"{PERIOD_S * 1e6:.0f}", seed])
+        else:
+            assert node is not None
+            # --perf-basic-prof also turns on V8's log: not into a file.
+            workers.start(kind, [node, "--perf-basic-prof", "--no-logfile-per-isolate",
+                                 "--logfile=/dev/null", app, f"{busy * 1e3:.3f}",
+                                 f"{PERIOD_S * 1e3:.0f}", seed])
+        time.sleep(0.01)
+    workers.start("spawner", spawner)
+
+
+def host_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs, from /proc/stat."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
+def runnable() -> int:
+    """Tasks running or waiting for a CPU right now (``procs_running``)."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("procs_running "):
+            return int(line.split()[1])
+    return 0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+@dataclass
+class Result:
+    frequency: int
+    cpu_percent: float = 0.0
+    main_cpu_percent: float = 0.0
+    host_busy_cpus: float = 0.0
+    run_queue: list[int] = field(default_factory=list)
+    drains_ms: list[float] = field(default_factory=list)
+    unique_stacks: list[int] = field(default_factory=list)
+    window_samples: list[int] = field(default_factory=list)
+    rss_peak: float = 0.0
+    rss_steady: float = 0.0
+    scrape_ms: list[float] = field(default_factory=list)
+    scrape_bytes: int = 0
+    recorded_per_s: float = 0.0
+    lost: float = 0.0
+    series: float = 0.0
+    processes: float = 0.0
+
+
+def drain_count(daemon: LoggedDaemon) -> tuple[float, float]:
+    m = daemon.metrics("tramprof_drains_total", "tramprof_drain_duration_seconds")
+    return m[("tramprof_drains_total", ())], m[("tramprof_drain_duration_seconds", ())]
+
+
+def settle(daemon: LoggedDaemon, args: argparse.Namespace) -> float:
+    """Wait out the start-up work: at least ``--warmup`` seconds and two
+    drains, then until the daemon's threads other than its main one (the
+    unwind table compiler: tens of CPU seconds for node's binary, once per
+    object) were idle for two polls; at most ``--max-warmup`` seconds.
+    Returns the seconds waited."""
+    began = time.monotonic()
+    time.sleep(args.warmup)
+    last, quiet = daemon.helper_threads_cpu(), 0
+    while time.monotonic() - began < args.max_warmup:
+        time.sleep(args.poll)
+        now = daemon.helper_threads_cpu()
+        quiet = quiet + 1 if now - last < 0.05 * args.poll else 0
+        last = now
+        if quiet >= 2 and drain_count(daemon)[0] >= 2:
+            break
+    return time.monotonic() - began
+
+
+def measure(frequency: int, daemon: LoggedDaemon, args: argparse.Namespace) -> Result:
+    """One steady window at the running frequency, then scrapes and windows."""
+    result = Result(frequency)
+    before = daemon.metrics("tramprof_perf_events_total")
+    drains: dict[float, float] = {}
+    main0 = daemon.helper_threads_cpu(main=True)
+    cpu0, busy0, t0 = daemon.cpu_with_children(), host_busy(), time.monotonic()
+    while time.monotonic() - t0 < args.steady:
+        count, seconds = drain_count(daemon)
+        drains[count] = seconds
+        result.run_queue.append(runnable())
+        time.sleep(args.poll)
+    cpu1, busy1, t1 = daemon.cpu_with_children(), host_busy(), time.monotonic()
+    result.cpu_percent = (cpu1 - cpu0) / (t1 - t0) * 100
+    result.main_cpu_percent = (daemon.helper_threads_cpu(main=True) - main0) / (t1 - t0) * 100
+    result.host_busy_cpus = ((busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
+                             * (os.cpu_count() or 1))
+    first = min(drains)  # may have drained before the window began
+    result.drains_ms = [v * 1e3 for k, v in drains.items() if k > first]
+    result.rss_peak, result.rss_steady = daemon.status("VmHWM"), daemon.status("VmRSS")
+    after = daemon.metrics()
+    events = {dict(k[1]).get("outcome"): v for k, v in after.items()
+              if k[0] == "tramprof_perf_events_total"}
+    old = {dict(k[1]).get("outcome"): v for k, v in before.items()}
+    result.recorded_per_s = (events["recorded"] - old["recorded"]) / (t1 - t0)
+    result.lost = events["lost"] - old["lost"]
+    result.series = sum(v for k, v in after.items() if k[0] == "tramprof_series")
+    result.processes = after[("tramprof_processes", ())]
+    for _ in range(args.scrapes):
+        request = urllib.request.Request(f"http://127.0.0.1:{daemon.port}/metrics",
+                                         headers={"Accept-Encoding": "gzip"})
+        began = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=30) as response:
+            body = response.read()
+        result.scrape_ms.append((time.perf_counter() - began) * 1e3)
+        result.scrape_bytes = len(gzip.decompress(body))
+        time.sleep(0.1)
+    for _ in range(args.windows):
+        count, deadline = drain_count(daemon)[0], time.monotonic() + 60
+        while drain_count(daemon)[0] == count and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if time.monotonic() >= deadline:
+            break  # no drain for a minute: nothing to count
+        folded = daemon.get("/profile?seconds=0.001&format=folded").splitlines()
+        result.unique_stacks.append(len(folded))
+        result.window_samples.append(sum(int(line.rsplit(" ", 1)[1]) for line in folded))
+    if args.py_spy:
+        out = Path(args.py_spy) / f"daemon-{frequency}hz.folded"
+        subprocess.run([str(Path(TRAMPROF).parent / "py-spy"), "record", "-p",
+                        str(daemon.proc.pid), "-d", str(int(args.steady)), "-r", "100",
+                        "-f", "raw", "-o", str(out), "--nonblocking"], check=True,
+                       stdout=subprocess.DEVNULL)
+        print(f"py-spy profile of the daemon at {frequency} Hz: {out}", flush=True)
+    return result
+
+
+def session(frequencies: list[int], work: Path, args: argparse.Namespace, log: IO[bytes],
+            workers: Workers) -> list[Result]:
+    """One daemon for every frequency: started at the first, switched by a
+    configuration reload (SIGHUP), so start-up work is paid and excluded once."""
+    config = work / "tramprof.toml"
+    config.write_text(f"frequency = {frequencies[0]}\n")
+    config.chmod(0o644)  # re-read after the daemon left root
+    # The BPF compile (seconds of CPU) would crawl behind 200 busy processes.
+    workers.pause(True)
+    try:
+        daemon = LoggedDaemon(log, "--config", str(config), tramprof=args.tramprof)
+    finally:
+        workers.pause(False)
+    results: list[Result] = []
+    try:
+        start_cpu = daemon.cpu_with_children()
+        waited = settle(daemon, args)
+        built = daemon.metrics("tramprof_unwind_table_build_seconds_total").get(
+            ("tramprof_unwind_table_build_seconds_total", ()), 0.0)
+        print(f"  start-up: {start_cpu:.1f} CPU s until serving; warm-up {waited:.0f} s, "
+              f"{daemon.cpu_with_children() - start_cpu:.1f} CPU s (unwind table builds "
+              f"{built:.1f})", flush=True)
+        for index, frequency in enumerate(frequencies):
+            if index:
+                config.write_text(f"frequency = {frequency}\n")
+                daemon.proc.send_signal(signal.SIGHUP)
+                time.sleep(args.switch)
+            results.append(measure(frequency, daemon, args))
+            print(f"  {frequency} Hz done", flush=True)
+            dead = workers.dead()
+            if dead:
+                raise RuntimeError(f"workers died during the run: {', '.join(dead[:5])}")
+    finally:
+        daemon.stop_quietly()
+    return results
+
+
+def report(results: list[Result]) -> None:
+    def row(name: str, values: list[str], target: str = "") -> None:
+        print(f"  {name:<34}" + "".join(f"{v:>18}" for v in values) + f"  {target}")
+
+    print(f"  {'':<34}" + "".join(f"{str(r.frequency) + ' Hz':>18}" for r in results))
+    t = TARGETS[99]
+
+    def mark(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    r99 = next((r for r in results if r.frequency == 99), None)
+    row("daemon CPU, % of one core", [f"{r.cpu_percent:.2f}" for r in results],
+        f"99 Hz target <= {t['cpu']:.0f}% ({mark(r99.cpu_percent <= t['cpu'])})"
+        if r99 else "")
+    row("  of it the main thread", [f"{r.main_cpu_percent:.2f}" for r in results])
+    row("drain ms p50 / p99", [f"{median(r.drains_ms):.0f} / "
+                                   f"{percentile(r.drains_ms, 0.99):.0f}"
+                                   if r.drains_ms else "n/a" for r in results],
+        f"99 Hz target <= {t['drain_ms']:.0f} ms "
+        f"({mark(percentile(r99.drains_ms, 0.99) <= t['drain_ms'])})"
+        if r99 and r99.drains_ms else "")
+    row("drains measured", [str(len(r.drains_ms)) for r in results])
+    row("distinct folded stacks / window",
+        [" ".join(str(n) for n in r.unique_stacks) for r in results])
+    row("samples / window", [" ".join(str(n) for n in r.window_samples) for r in results])
+    row("samples recorded / s", [f"{r.recorded_per_s:.0f}" for r in results])
+    row("samples lost in window", [f"{r.lost:.0f}" for r in results])
+    row("RSS steady MiB", [f"{r.rss_steady:.1f}" for r in results],
+        f"99 Hz target <= {t['rss_mib']:.0f} MiB ({mark(r99.rss_steady <= t['rss_mib'])})"
+        if r99 else "")
+    row("RSS peak (VmHWM) MiB", [f"{r.rss_peak:.1f}" for r in results])
+    row("/metrics ms p50 / p99 (gzip)", [f"{median(r.scrape_ms):.1f} / "
+                                             f"{percentile(r.scrape_ms, 0.99):.1f}"
+                                             for r in results])
+    row("/metrics size (KiB, plain)", [f"{r.scrape_bytes / 1024:.0f}" for r in results])
+    row("stack+function series", [f"{r.series:.0f}" for r in results])
+    row("processes held", [f"{r.processes:.0f}" for r in results])
+    row("host CPUs busy (all processes)", [f"{r.host_busy_cpus:.2f}" for r in results])
+    row("runnable tasks, median / max", [f"{median(r.run_queue):.0f} / {max(r.run_queue)}"
+                                         for r in results])
+
+
+@contextmanager
+def terminate_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so every finally block runs."""
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(f"signal {signum}")
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--frequencies", default="99,999")
+    parser.add_argument("--python", type=int, default=80, help="Python processes")
+    parser.add_argument("--native", type=int, default=80, help="native processes")
+    parser.add_argument("--node", type=int, default=40,
+                        help="node processes (native ones instead when node is missing)")
+    parser.add_argument("--spawn-rate", type=float, default=20.0,
+                        help="short-lived processes started per second")
+    parser.add_argument("--load", type=float, default=1.0,
+                        help="CPUs the workers keep busy together")
+    parser.add_argument("--warmup", type=float, default=30.0,
+                        help="seconds at least between the daemon's start and measuring")
+    parser.add_argument("--max-warmup", type=float, default=150.0,
+                        help="longest wait for the unwind table builds to finish")
+    parser.add_argument("--switch", type=float, default=15.0,
+                        help="seconds between a frequency change and its window")
+    parser.add_argument("--steady", type=float, default=50.0)
+    parser.add_argument("--poll", type=float, default=5.0,
+                        help="seconds between reads of the drain duration")
+    parser.add_argument("--scrapes", type=int, default=40)
+    parser.add_argument("--windows", type=int, default=2,
+                        help="drained windows whose distinct stacks are counted")
+    parser.add_argument("--py-spy", metavar="DIR",
+                        help="also record the daemon with py-spy for --steady seconds")
+    parser.add_argument("--tramprof", default=TRAMPROF,
+                        help="the tramprof executable to measure (default: this checkout's)")
+    parser.add_argument("--keep-log", metavar="FILE", help="keep the daemons' logs here")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("bench_busy_node.py needs root (the daemon loads BPF programs)")
+    counts = {"python": args.python, "native": args.native, "node": args.node}
+    if counts["node"] and shutil.which("node") is None:
+        print(f"node is not installed (Debian package nodejs): its {counts['node']} "
+              "processes are native ones instead")
+        counts["native"] += counts.pop("node")
+    work = Path(tempfile.mkdtemp(prefix="tramprof-busy-"))
+    workers = Workers(work)
+    py_env: dict[str, str] = {}
+    try:
+        with terminate_on_signals():
+            apps, spawner = build(work, args)
+            py_env = install_trampolines()
+            py_env.pop("TRAMPROF_TRAMPOLINES")  # -m tramprof_trampolines activates it
+            start_workers(workers, apps, spawner, counts, args.load, args.spawn_rate, py_env)
+            print(f"workers: {counts} + {args.spawn_rate:g} short-lived/s, "
+                  f"{FUNCTIONS} functions per application, duty cycle for {args.load:g} "
+                  f"CPUs; warm-up {args.warmup:g} s, steady window {args.steady:g} s",
+                  flush=True)
+            time.sleep(5)
+            log_path = Path(args.keep_log) if args.keep_log else work / "daemon.log"
+            work.chmod(0o755)
+            with log_path.open("ab") as log:
+                results = session([int(f) for f in args.frequencies.split(",")], work, args,
+                                  log, workers)
+            warnings = [line for line in log_path.read_text(errors="replace").splitlines()
+                        if " WARNING " in line or " ERROR " in line]
+            report(results)
+            if warnings:
+                print(f"daemon warnings/errors ({len(warnings)}), first ones:")
+                for line in warnings[:5]:
+                    print("  " + line[:300])
+    finally:
+        workers.stop()
+        shutil.rmtree(work, ignore_errors=True)
+        if "PYTHONUSERBASE" in py_env:
+            shutil.rmtree(py_env["PYTHONUSERBASE"], ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
