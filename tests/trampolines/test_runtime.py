@@ -108,6 +108,37 @@ def test_perf_map_content(interp: Interp, started: list) -> None:
         assert start == address, hex(address)
 
 
+def test_descriptor_locator_parses_each_runtime_once(interp: Interp, started: list,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes of one runtime: its symbol table is parsed once, each
+    descriptor is then read in place, and an address that no longer holds a
+    descriptor is looked up afresh, giving what a fresh reader gives."""
+    pids = []
+    for _ in range(2):
+        proc = interp.popen(interp.script("blocker.py"), env=ON)
+        started.append(proc)
+        pids.append(json.loads(proc.stdout.readline())["pid"])
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+    parsed: list[str] = []
+    real = desc._dynsym_value
+    monkeypatch.setattr(desc, "_dynsym_value", lambda f, name: parsed.append(name) or real(f, name))
+    maps_read: list[int] = []
+    real_maps = desc.read_maps
+    monkeypatch.setattr(desc, "read_maps", lambda pid, root: maps_read.append(pid) or
+                        real_maps(pid, root))
+    locator = desc.DescriptorLocator()
+    for _ in range(3):
+        for pid in pids:
+            assert desc.read_descriptor(pid, locator=locator) == desc.read_descriptor(pid)
+    fresh_reads = 3 * len(pids)  # the reads without a locator
+    assert len(parsed) - fresh_reads == 1
+    assert len(maps_read) - fresh_reads == len(pids)
+    address, path = locator.known(pids[0])
+    locator.remember(pids[0], (address + 8, path))  # no magic there
+    assert desc.read_descriptor(pids[0], locator=locator).address == address
+    assert locator.known(pids[0]) == (address, path)
+
+
 def test_descriptor_from_another_process(interp: Interp, started: list) -> None:
     """read_descriptor() from this process sees a layout consistent with the
     perf map, /proc/PID/maps and the stub bytes; walking each blocked

@@ -25,6 +25,7 @@ from tramprof.unwind.descriptor import (
     PAUSED_OFFSET,
     Descriptor,
     DescriptorError,
+    DescriptorLocator,
     read_descriptor,
 )
 from tramprof.unwind.duty import DutyCycle
@@ -72,6 +73,7 @@ class ChainMode:
                  python_overhead_budget: float = 0.0) -> None:
         self._maps = maps
         self._proc_root = proc_root
+        self._locator = DescriptorLocator()
         #: Duty cycles of the runtimes that have one (ABI 2).
         self.duty = DutyCycle(python_overhead_budget, proc_root)
         self._procs: dict[int, ChainProcess] = {}
@@ -105,6 +107,7 @@ class ChainMode:
 
     def forget(self, pid: int) -> None:
         self.duty.forget(pid)
+        self._locator.forget(pid)
         self._candidates.discard(pid)
         self._last_error.pop(pid, None)
         if self._procs.pop(pid, None) is not None:
@@ -119,13 +122,14 @@ class ChainMode:
         self._last_error[pid] = (reason, detail)
         if drop:
             self.duty.forget(pid)
+            self._locator.forget(pid)
             if self._procs.pop(pid, None) is not None:
                 self._maps.remove(pid, WALKER)
             self._candidates.discard(pid)
 
     def _update(self, pid: int) -> None:
         try:
-            d = read_descriptor(pid, self._proc_root)
+            d = read_descriptor(pid, self._proc_root, self._locator)
         except DescriptorError as exc:  # the process vanished, or lies
             self._fail(pid, "descriptor_unreadable", str(exc), drop=False)
             return

@@ -16,8 +16,10 @@ against each other through cffi).
 
 from __future__ import annotations
 
+import os
 import re
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -154,7 +156,51 @@ def _read_mem(pid: int, address: int, size: int, proc_root: str = "/proc") -> by
         raise DescriptorError(str(exc)) from exc
 
 
-def find_descriptor_address(pid: int, proc_root: str = "/proc") -> tuple[int, str]:
+# (st_dev, st_ino, st_size, st_mtime_ns) of an extension file.
+_FileKey = tuple[int, int, int, int]
+
+
+class DescriptorLocator:
+    """Where each process's descriptor is, found once and then read in place.
+
+    Finding it means parsing the process's maps and the runtime extension's
+    symbol table; a daemon that refreshes a hundred runtimes every second
+    spent most of its time doing that again. An address is kept until what
+    is there stops reading as a descriptor (then it is looked up afresh), or
+    the process is forgotten; the symbol's value is kept per extension file,
+    so all the processes of one runtime parse its symbol table once.
+    """
+
+    def __init__(self, max_files: int = 64) -> None:
+        self.max_files = max_files
+        self._by_pid: dict[int, tuple[int, str]] = {}
+        self._symbols: OrderedDict[_FileKey, tuple[int, int] | None] = OrderedDict()
+
+    def known(self, pid: int) -> tuple[int, str] | None:
+        return self._by_pid.get(pid)
+
+    def remember(self, pid: int, found: tuple[int, str]) -> None:
+        self._by_pid[pid] = found
+
+    def forget(self, pid: int) -> None:
+        self._by_pid.pop(pid, None)
+
+    def symbol(self, f: BinaryIO) -> tuple[int, int] | None:
+        """``_dynsym_value`` of the opened extension, parsed once per file."""
+        st = os.fstat(f.fileno())
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if key in self._symbols:
+            self._symbols.move_to_end(key)
+            return self._symbols[key]
+        found = _dynsym_value(f, SYMBOL)
+        self._symbols[key] = found
+        while len(self._symbols) > self.max_files:
+            self._symbols.popitem(last=False)
+        return found
+
+
+def find_descriptor_address(pid: int, proc_root: str = "/proc",
+                            locator: DescriptorLocator | None = None) -> tuple[int, str]:
     """(address of tramprof_descriptor in *pid*, extension path)."""
     try:
         mappings = read_maps(pid, proc_root)
@@ -168,7 +214,7 @@ def find_descriptor_address(pid: int, proc_root: str = "/proc") -> tuple[int, st
         raise DescriptorError(f"process {pid} has not loaded tramprof_trampolines")
     for path, maps in by_path.items():
         with _open_extension(pid, min(maps, key=lambda m: m.start), proc_root) as f:
-            found = _dynsym_value(f, SYMBOL)
+            found = locator.symbol(f) if locator is not None else _dynsym_value(f, SYMBOL)
         base_maps = [m for m in maps if m.offset == 0]
         if found is None or not base_maps:
             continue
@@ -183,9 +229,25 @@ def _cstr(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode(errors="replace")
 
 
-def read_descriptor(pid: int, proc_root: str = "/proc") -> Descriptor:
-    """Read and validate the descriptor of process *pid*."""
-    address, path = find_descriptor_address(pid, proc_root)
+def read_descriptor(pid: int, proc_root: str = "/proc",
+                    locator: DescriptorLocator | None = None) -> Descriptor:
+    """Read and validate the descriptor of process *pid* (at the address
+    ``locator`` knows, if it still holds one)."""
+    if locator is None:
+        return _read_at(pid, *find_descriptor_address(pid, proc_root), proc_root)
+    known = locator.known(pid)
+    if known is not None:
+        try:
+            return _read_at(pid, *known, proc_root)
+        except DescriptorError:
+            locator.forget(pid)  # gone, or not a descriptor there any more: look again
+    found = find_descriptor_address(pid, proc_root, locator)
+    descriptor = _read_at(pid, *found, proc_root)
+    locator.remember(pid, found)
+    return descriptor
+
+
+def _read_at(pid: int, address: int, path: str, proc_root: str) -> Descriptor:
     duty: DutyState | None = None
     for _attempt in range(5):
         raw = _read_mem(pid, address, DESCRIPTOR_SIZE_V1, proc_root)
