@@ -156,7 +156,8 @@ def runtime_mappings(tmp_path):
 def test_chain_mode_installs_once_active_and_grows_with_the_descriptor(runtime_mappings,
                                                                        monkeypatch):
     published = [descriptor(False, [])]
-    monkeypatch.setattr(chain_module, "read_descriptor", lambda pid, root, locator=None: published[-1])
+    monkeypatch.setattr(chain_module, "read_descriptor",
+                        lambda pid, root, locator=None: published[-1])
     maps = RecordingMaps()
     chain = ChainMode(maps, str(runtime_mappings))
     chain.consider(PID, mappings(runtime_mappings))
@@ -192,7 +193,8 @@ def test_chain_mode_counts_unreadable_and_unsupported_descriptors(runtime_mappin
     assert chain.report(PID).problem
 
     monkeypatch.setattr(chain_module, "read_descriptor",
-                        lambda pid, root, locator=None: descriptor(True, [(ARENA, ARENA + 0x1000)], abi=9))
+                        lambda pid, root, locator=None: descriptor(
+                            True, [(ARENA, ARENA + 0x1000)], abi=9))
     chain.refresh({PID})
     assert chain.errors() == {"descriptor_unreadable": 1, "unsupported_runtime": 1}
     assert not chain.unwinds(PID)
@@ -201,7 +203,8 @@ def test_chain_mode_counts_unreadable_and_unsupported_descriptors(runtime_mappin
 def test_registry_prefers_chain_and_scan_lets_go(runtime_mappings, monkeypatch):
     """A -X perf process that activates our runtime moves from scan to chain."""
     published = [descriptor(False, [])]
-    monkeypatch.setattr(chain_module, "read_descriptor", lambda pid, root, locator=None: published[-1])
+    monkeypatch.setattr(chain_module, "read_descriptor",
+                        lambda pid, root, locator=None: published[-1])
     maps = RecordingMaps()
     modes = UnwindModes([ChainMode(maps, str(runtime_mappings)),
                          ScanMode(maps, str(runtime_mappings))])
