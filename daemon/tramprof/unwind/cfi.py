@@ -68,6 +68,8 @@ class CfiError(Exception):
 
 
 _ROW = struct.Struct("<IHh")
+#: Bytes of one packed row (tp_unwind_row).
+ROW_BYTES = _ROW.size
 assert _ROW.size == 8
 
 

@@ -42,7 +42,8 @@ from tramprof.sampler.tables import CHUNK_BYTES, PROC_BYTES, TablesFull, chunks_
 from tramprof.symbols.elf import read_build_id
 from tramprof.symbols.safeopen import open_mapping
 from tramprof.unwind.arenas import Arenas
-from tramprof.unwind.cfi import CfiError, UnwindTable, compile_table
+from tramprof.unwind.cfi import CfiError, UnwindTable
+from tramprof.unwind.cfibuild import build_in_child
 from tramprof.unwind.mode import FP, ModeReport
 
 log = logging.getLogger(__name__)
@@ -116,16 +117,6 @@ class TableStats:
     builds: Counter[str] = field(default_factory=Counter)  # result -> objects
 
 
-def _executable_segments(f: BinaryIO) -> tuple[tuple[int, int, int], ...]:
-    from elftools.elf.elffile import ELFFile
-
-    f.seek(0)
-    elf = ELFFile(f)
-    return tuple((int(seg["p_offset"]), int(seg["p_vaddr"]), int(seg["p_filesz"]))
-                 for seg in elf.iter_segments()
-                 if seg["p_type"] == "PT_LOAD" and seg["p_flags"] & 1)
-
-
 def _object_key(f: BinaryIO) -> str:
     build_id = read_build_id(f)
     if build_id:
@@ -138,7 +129,8 @@ Built = tuple[UnwindTable, tuple[tuple[int, int, int], ...], float]
 
 
 class Build:
-    """One object being compiled on the worker thread."""
+    """One object being compiled, in a child process the worker thread waits
+    for (``unwind.cfibuild``)."""
 
     def __init__(self, f: BinaryIO) -> None:
         self.file = f
@@ -150,8 +142,7 @@ class Build:
         began = time.monotonic()
         try:
             with self.file:
-                table = compile_table(self.file)
-                segments = _executable_segments(self.file)
+                table, segments = build_in_child(self.file)
             self.result = (table, segments, time.monotonic() - began)
         except BaseException as exc:  # reported on the daemon's thread
             self.error = exc
