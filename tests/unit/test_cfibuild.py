@@ -34,7 +34,7 @@ def test_a_file_that_is_not_elf_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_build_past_its_memory_limit_is_an_error_of_that_object() -> None:
-    with open(OBJECT, "rb") as f, pytest.raises(CfiError, match="MiB|status"):
+    with open(OBJECT, "rb") as f, pytest.raises(CfiError, match=r"MiB|status"):
         build_in_child(f, address_space=48 << 20)
 
 

@@ -199,8 +199,8 @@ UNWIND_TABLE_BUILDS = Family(
     "malformed_object, budget or map_error.")
 UNWIND_TABLE_BUILD_SECONDS = Family(
     "tramprof_unwind_table_build_seconds", "counter", (),
-    "Time spent compiling call-frame information into unwind rows (a worker thread, "
-    "off the drain path).")
+    "Time spent compiling call-frame information into unwind rows (wall time of "
+    "the compiler child processes, off the drain path).")
 UNWIND_TABLE_STOPS = Family(
     "tramprof_unwind_table_stops", "counter", ("reason",),
     "Table walks that stopped before the outermost frame, by reason: no_unwind_info (no "
