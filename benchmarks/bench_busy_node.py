@@ -158,6 +158,19 @@ class LoggedDaemon(Daemon):
                     total += int(fields[11]) + int(fields[12])
         return total / os.sysconf("SC_CLK_TCK")
 
+    def children_cpu(self) -> float:
+        """CPU seconds of the daemon's child processes, live (the unwind
+        table compilers) and reaped."""
+        total = 0
+        for stat in [Path(f"/proc/{self.proc.pid}/stat"), *self._child_stats()]:
+            with suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if stat.parent.name == str(self.proc.pid):
+                    total += int(fields[13]) + int(fields[14])  # cutime, cstime
+                else:
+                    total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
+
     def _child_stats(self) -> Iterator[Path]:
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
@@ -286,16 +299,16 @@ def drain_count(daemon: LoggedDaemon) -> tuple[float, float]:
 
 def settle(daemon: LoggedDaemon, args: argparse.Namespace) -> float:
     """Wait out the start-up work: at least ``--warmup`` seconds and two
-    drains, then until the daemon's threads other than its main one (the
-    unwind table compiler: tens of CPU seconds for node's binary, once per
-    object) were idle for two polls; at most ``--max-warmup`` seconds.
-    Returns the seconds waited."""
+    drains, then until the daemon's threads other than its main one and its
+    child processes (the unwind table compilers: ~15 CPU seconds for node's
+    binary, once per object) were idle for two polls; at most
+    ``--max-warmup`` seconds. Returns the seconds waited."""
     began = time.monotonic()
     time.sleep(args.warmup)
-    last, quiet = daemon.helper_threads_cpu(), 0
+    last, quiet = daemon.helper_threads_cpu() + daemon.children_cpu(), 0
     while time.monotonic() - began < args.max_warmup:
         time.sleep(args.poll)
-        now = daemon.helper_threads_cpu()
+        now = daemon.helper_threads_cpu() + daemon.children_cpu()
         quiet = quiet + 1 if now - last < 0.05 * args.poll else 0
         last = now
         if quiet >= 2 and drain_count(daemon)[0] >= 2:
