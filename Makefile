@@ -71,6 +71,8 @@ runtimes: setup
 	$(PYTHON_SYSTEM) trampolines/build_runtimes.py --root $(ROOTS)/bullseye
 
 bench: setup
+	@command -v profile-bpfcc >/dev/null || apt-get install -y -q bpfcc-tools >/dev/null \
+		|| echo "bench: bpfcc-tools unavailable: bench_fp_cost.py measures tramprof alone"
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
