@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import logging
 import select
 import time
@@ -32,6 +31,7 @@ from tramprof.sampler.layout import Counter as BpfCounter
 from tramprof.sampler.program import Sampler, SamplerConfig
 from tramprof.symbols.images import ProcessImage, ProcessRegistry
 from tramprof.symbols.kallsyms import KernelSymbols
+from tramprof.symbols.perfmap import gc_paused
 from tramprof.unwind.chain import ChainMode
 from tramprof.unwind.descriptor import DUTY_ALWAYS
 from tramprof.unwind.mode import FP, MapWriter, UnwindModes
@@ -51,25 +51,6 @@ ERROR_BACKOFF_SECONDS = 60.0
 # loop dozens of times a second. After every drain they are refreshed anyway.
 MODE_REFRESH_SECONDS = 1.0
 MODE_REFRESH_SHARE = 0.05
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while a drain turns samples into stacks.
-
-    A busy interval makes tens of thousands of samples, frame lists and
-    stacks, nearly all kept (the stored windows hold them); with the
-    collector on, the collections they trigger walk the daemon's whole heap,
-    stored windows included, again and again for no garbage (a third of a
-    999 Hz drain's time on a busy host). One collection runs afterwards.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def sampler_config(config: Config) -> SamplerConfig:
@@ -277,7 +258,7 @@ class Profiler:
     def collect(self) -> list[Stack]:
         """Drain the kernel buffers and return this interval's named stacks."""
         began = time.monotonic()
-        with _gc_paused():
+        with gc_paused():
             samples = self.sampler.drain()
             # Newest image first: it is the one /proc shows now (see symbols.images).
             samples.sort(key=lambda s: (s.tgid, s.start_boottime_ns, -s.exec_id))
