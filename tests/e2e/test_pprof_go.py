@@ -20,7 +20,7 @@ import pytest
 from tramprof.symbols.elf import read_build_id
 
 from tests.conftest import REPO, requires_root
-from tests.e2e.test_daemon import daemon  # noqa: F401  (fixture)
+from tests.e2e.test_daemon import Daemon, daemon, value  # noqa: F401  (fixture)
 from tests.trampolines.conftest import Interp, _cleanup, host_interp  # noqa: F401  (fixtures)
 
 GO = shutil.which("go") or next((p for p in ("/usr/lib/go/bin/go",) if os.path.exists(p)),
@@ -126,11 +126,19 @@ def record_url(port: int, seconds: int = SECONDS) -> str:
     return f"http://127.0.0.1:{port}/debug/pprof/profile?seconds={seconds}"
 
 
-def warm_up(port: int) -> None:
-    """A first recording: the daemon's first drain reads every binary of the
-    target (seconds on a busy machine), which go tool pprof would not wait for."""
-    with urllib.request.urlopen(record_url(port, 1), timeout=60) as r:
-        assert r.status == 200
+def warm_up(d: Daemon, tables: int = 0, timeout: float = 60) -> None:
+    """First recordings: the daemon's first drain reads every binary of the
+    target (seconds on a busy machine), which go tool pprof would not wait
+    for; with ``tables``, until that many unwind tables are loaded (the
+    objects sampled in the first recording are compiled in child processes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(record_url(d.port, 1), timeout=60) as r:
+            assert r.status == 200
+        loaded = value(d.metrics(), "tramprof_unwind_table_objects")
+        if loaded >= tables:
+            return
+        assert time.monotonic() < deadline, f"{loaded} of {tables} unwind tables in {timeout} s"
 
 
 def line_of(path: Path, text: str) -> int:
@@ -161,7 +169,7 @@ def test_native_chain_through_go_tool_pprof(daemon, targets, start_target,  # no
     # A drain interval far longer than the recording: both of its ends are
     # drains the recording asks for.
     d = daemon("--interval", "30", "--frequency", "199", "--pid", str(target.pid))
-    warm_up(d.port)
+    warm_up(d, tables=1)  # libc's: it has no frame pointers
     began = time.monotonic()
     report = pprof("-traces", record_url(d.port))
     took = time.monotonic() - began
@@ -257,7 +265,7 @@ def test_python_chain_and_source_through_go_tool_pprof(daemon, python_target,  #
                                                        pprof):
     pid, script = python_target
     d = daemon("--interval", "30", "--frequency", "199", "--pid", str(pid))
-    warm_up(d.port)
+    warm_up(d)
     report = pprof("-traces", "-lines", record_url(d.port))
     assert SECONDS <= duration(report) < SECONDS + 0.5
     python = os.path.realpath("/usr/bin/python3")

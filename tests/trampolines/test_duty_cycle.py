@@ -168,8 +168,12 @@ def test_budget_bounds_the_loss_and_keeps_the_profile(host_interp: Interp) -> No
     # than the smaller budgets (Debian's 3.11: 20-30%).
     assert always.loss > 0.12, report
     assert always.paused == 0, report
-    # Losses follow the budget (noise on shared CPUs: a few points).
-    assert abs(quarter.loss - min(0.25, always.loss)) <= 0.08, report
+    # Losses follow the budget (noise on shared CPUs: a few points). At 0.25
+    # the budget is near the always-on loss, which itself differs by several
+    # points from one phase to the next (0.198 in one, 0.279 at budget 0.25
+    # with the hook on 99% of the time in the next): bounded on each side.
+    assert quarter.loss <= 0.25 + 0.08, report
+    assert quarter.loss >= min(0.25, always.loss) - 0.08, report
     assert twentieth.loss <= 0.05 + 0.05, report
     assert twentieth.loss < always.loss - 0.05, report
     # What the daemon exports: the duty cycle and the estimated overhead.

@@ -16,7 +16,14 @@ from tramprof.unwind import chain as chain_module
 from tramprof.unwind.arenas import Arenas
 from tramprof.unwind.chain import ChainMode
 from tramprof.unwind.descriptor import Descriptor, DescriptorError
-from tramprof.unwind.mode import FP, DryRunMaps, UnwindModes
+from tramprof.unwind.mode import (
+    FP,
+    NEWCOMER_LIMIT,
+    NEWCOMER_SECONDS,
+    DryRunMaps,
+    Newcomers,
+    UnwindModes,
+)
 from tramprof.unwind.scan import ScanMode
 
 PID = 4242
@@ -219,6 +226,51 @@ def test_registry_prefers_chain_and_scan_lets_go(runtime_mappings, monkeypatch):
     modes.forget(PID)
     assert modes.mode_of(PID) == FP and not maps.state
     assert modes.report(PID).mode == FP
+
+
+def test_a_runtime_that_activates_after_it_loaded_is_followed_before_the_next_refresh(
+        runtime_mappings, monkeypatch):
+    """The .pth loads the runtime, then activates it: the process is taken up
+    on the next wake of the loop, not at the next full refresh."""
+    published = [descriptor(False, [])]
+    reads: list[int] = []
+
+    def read(pid, root, locator=None):
+        reads.append(pid)
+        return published[-1]
+
+    monkeypatch.setattr(chain_module, "read_descriptor", read)
+    maps = RecordingMaps()
+    modes = UnwindModes([ChainMode(maps, str(runtime_mappings))])
+    modes.consider(PID, mappings(runtime_mappings))
+    assert modes.mode_of(PID) == FP and modes.following()
+    modes.follow(set())  # not (yet) a live process of the registry: not read
+    assert reads == [PID]
+    published.append(descriptor(True, [(ARENA, ARENA + 0x1000)], generation=2))
+    modes.follow({PID})
+    assert modes.mode_of(PID) == "chain" and (PID, b"chain_procs") in maps.state
+    modes.follow({PID})  # unwound now: no longer a newcomer, not read again
+    assert reads == [PID, PID] and not modes.following()
+
+
+def test_newcomers_leave_when_settled_or_old_and_at_most_a_limit_is_due():
+    t0 = 100.0
+    clock = [t0]
+    newcomers = Newcomers(now=lambda: clock[0])
+    last = NEWCOMER_LIMIT + 10
+    for pid in range(1, last + 1):  # pid p taken at t0 + p ms
+        clock[0] = t0 + pid * 0.001
+        newcomers.add(pid)
+    live = set(range(1, last + 1))
+    # The newest first, at most the limit; the settled one leaves; one that is
+    # not live is skipped.
+    assert newcomers.due(live - {last}, settled=lambda pid: pid == 1) == \
+        list(range(last - 1, last - 1 - NEWCOMER_LIMIT, -1))
+    newcomers.add(30)  # taken again: keeps its first time
+    clock[0] = t0 + NEWCOMER_SECONDS + 0.0205  # pids 1..20 are too old now
+    assert newcomers.due(live, settled=lambda pid: False) == list(range(last, 20, -1))
+    clock[0] += 1
+    assert newcomers.due(live, settled=lambda pid: False) == [] and not newcomers
 
 
 def test_doctor_dry_run_installs_nothing(tmp_path):

@@ -34,7 +34,7 @@ from tramprof.symbols.kallsyms import KernelSymbols
 from tramprof.symbols.perfmap import gc_paused
 from tramprof.unwind.chain import ChainMode
 from tramprof.unwind.descriptor import DUTY_ALWAYS
-from tramprof.unwind.mode import FP, MapWriter, UnwindModes
+from tramprof.unwind.mode import FOLLOW_EVERY, FP, MapWriter, UnwindModes
 from tramprof.unwind.scan import ScanMode
 from tramprof.unwind.tables import TableMode, TableWriter
 
@@ -49,6 +49,7 @@ ERROR_BACKOFF_SECONDS = 60.0
 # refresh re-reads every runtime's descriptor (tens of ms of CPU for a
 # hundred Python processes), and on a busy host process events wake the
 # loop dozens of times a second. After every drain they are refreshed anyway.
+# In between, each wake follows only the modes' newcomers (unwind.mode).
 MODE_REFRESH_SECONDS = 1.0
 MODE_REFRESH_SHARE = 0.05
 
@@ -174,15 +175,24 @@ class Profiler:
         ready = select.poll()
         for fd in (*self.event_fds(), *wake_fds):
             ready.register(fd, select.POLLIN)
+        if self.unwinders.following():
+            timeout = min(timeout, FOLLOW_EVERY)
         with contextlib.suppress(InterruptedError):
             ready.poll(max(0.0, timeout) * 1000)
         self.poll_process_events()
 
     def poll_process_events(self) -> None:
         """Warm newly sampled processes, queue lifecycle events (applied after
-        the next drain), refresh the unwinding modes when due."""
+        the next drain), refresh the unwinding modes when due and follow
+        their newcomers in between."""
         if self._handle_process_events() or time.monotonic() >= self._next_mode_refresh:
             self._refresh_modes()
+        elif self.unwinders.following():
+            try:
+                self.unwinders.follow({identity.pid for identity in self.registry.identities()})
+            except Exception:
+                self.errors.by_stage["unwind_refresh"] += 1
+                log.exception("following the unwinding modes' newcomers failed")
 
     def _handle_process_events(self) -> bool:
         """Warm newly sampled processes, queue lifecycle events; True if the

@@ -29,7 +29,7 @@ from tramprof.unwind.descriptor import (
     read_descriptor,
 )
 from tramprof.unwind.duty import DutyCycle
-from tramprof.unwind.mode import FP, MapWriter, ModeReport
+from tramprof.unwind.mode import FP, MapWriter, ModeReport, Newcomers
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class ChainMode:
         self.duty = DutyCycle(python_overhead_budget, proc_root)
         self._procs: dict[int, ChainProcess] = {}
         self._candidates: set[int] = set()  # runtime loaded, maybe not active yet
+        self._newcomers = Newcomers()  # loaded, not active yet: activate any moment
         self._last_error: dict[int, tuple[str, str]] = {}  # pid -> (reason, detail)
         self._errors: Counter[str] = Counter()
 
@@ -96,6 +97,8 @@ class ChainMode:
         if pid not in self._candidates and any(EXTENSION_RE.search(m.path) for m in mappings):
             self._candidates.add(pid)
             self._update(pid)
+            if not self.unwinds(pid):
+                self._newcomers.add(pid)
 
     def refresh(self, live: set[int]) -> None:
         for pid in list(self._candidates):
@@ -105,7 +108,18 @@ class ChainMode:
                 self._update(pid)
                 self.duty.update(pid)
 
+    def follow(self, live: set[int]) -> None:
+        for pid in self._newcomers.due(live, self._settled):
+            self._update(pid)
+
+    def following(self) -> bool:
+        return bool(self._newcomers)
+
+    def _settled(self, pid: int) -> bool:
+        return pid not in self._candidates or self.unwinds(pid)
+
     def forget(self, pid: int) -> None:
+        self._newcomers.discard(pid)
         self.duty.forget(pid)
         self._locator.forget(pid)
         self._candidates.discard(pid)

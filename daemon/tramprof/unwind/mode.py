@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +31,12 @@ log = logging.getLogger(__name__)
 
 #: The mode of a process no trampoline mode unwinds.
 FP = "fp"
+#: A candidate not yet unwound is followed on every wake of the loop (at
+#: least this often, seconds) for NEWCOMER_SECONDS after it was taken, at
+#: most NEWCOMER_LIMIT of them per mode each time.
+FOLLOW_EVERY = 0.1
+NEWCOMER_SECONDS = 5.0
+NEWCOMER_LIMIT = 32
 
 
 class MapWriter(Protocol):
@@ -67,6 +74,16 @@ class UnwindMode(Protocol):
     def refresh(self, live: set[int]) -> None:
         """After a drain: follow new stubs of the processes in ``live`` and
         forget every other process."""
+
+    def follow(self, live: set[int]) -> None:
+        """Between refreshes, on every wake of the loop: look again only at
+        what is about to change (a runtime that activates milliseconds after
+        it loaded, a table build that finished), at a cost that does not grow
+        with the processes the mode holds. Forgets nothing."""
+
+    def following(self) -> bool:
+        """True while ``follow`` has something to look at within
+        FOLLOW_EVERY seconds."""
 
     def forget(self, pid: int) -> None:
         """Drop the process and its BPF state."""
@@ -131,6 +148,13 @@ class UnwindModes:
             taken |= {pid for pid in live if mode.unwinds(pid)}
         for native in self.native:
             native.refresh(live)
+
+    def follow(self, live: set[int]) -> None:
+        for mode in (*self.modes, *self.native):
+            mode.follow(live)
+
+    def following(self) -> bool:
+        return any(mode.following() for mode in (*self.modes, *self.native))
 
     def forget(self, pid: int) -> None:
         for mode in (*self.modes, *self.native):
@@ -208,3 +232,35 @@ class DryRunMaps:
 
     def remove(self, tgid: int, walker: bytes) -> None:
         pass
+
+
+class Newcomers:
+    """Candidates a mode took in the last NEWCOMER_SECONDS and does not unwind
+    yet. A full refresh re-reads every process and runs about once a second;
+    a newcomer's runtime activates (or its first stubs appear) milliseconds
+    after the mode first saw it, and a command that lives three seconds
+    would lose a third of its samples waiting for that refresh."""
+
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        self._since: dict[int, float] = {}
+        self._now = now
+
+    def add(self, pid: int) -> None:
+        self._since.setdefault(pid, self._now())
+
+    def discard(self, pid: int) -> None:
+        self._since.pop(pid, None)
+
+    def __bool__(self) -> bool:
+        return bool(self._since)
+
+    def due(self, live: set[int], settled: Callable[[int], bool]) -> list[int]:
+        """The newest NEWCOMER_LIMIT in ``live`` to look at now; the ones
+        ``settled`` (unwound, refused, gone) or too old leave."""
+        now = self._now()
+        for pid, since in list(self._since.items()):
+            if now - since > NEWCOMER_SECONDS or settled(pid):
+                del self._since[pid]
+        newest = sorted((p for p in self._since if p in live), key=self._since.__getitem__,
+                        reverse=True)
+        return newest[:NEWCOMER_LIMIT]

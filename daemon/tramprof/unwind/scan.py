@@ -24,7 +24,7 @@ from tramprof.sampler import layout
 from tramprof.sampler.maps import MapFull
 from tramprof.symbols.perfmap import ParsedLines, PerfMap
 from tramprof.unwind.arenas import Arenas
-from tramprof.unwind.mode import FP, MapWriter, ModeReport
+from tramprof.unwind.mode import FP, MapWriter, ModeReport, Newcomers
 from tramprof.unwind.stub_layout import (
     MAX_ARENA_BYTES,
     PAGE,
@@ -102,6 +102,7 @@ class ScanMode:
         self._procs: dict[int, ScanProcess] = {}
         self._candidates: dict[int, _Candidate] = {}
         self._refused: dict[int, tuple[str, str]] = {}
+        self._newcomers = Newcomers()  # no stubs installed yet: they appear any moment
         self._errors: Counter[str] = Counter()
 
     def unwinds(self, pid: int) -> bool:
@@ -132,6 +133,8 @@ class ScanMode:
             return
         self._candidates[pid] = cand
         self._update(pid)
+        if pid not in self._procs:
+            self._newcomers.add(pid)
 
     def refresh(self, live: set[int]) -> None:
         for pid in list(self._candidates):
@@ -142,7 +145,18 @@ class ScanMode:
         for pid in [p for p in self._refused if p not in live]:
             del self._refused[pid]
 
+    def follow(self, live: set[int]) -> None:
+        for pid in self._newcomers.due(live, self._settled):
+            self._update(pid)
+
+    def following(self) -> bool:
+        return bool(self._newcomers)
+
+    def _settled(self, pid: int) -> bool:
+        return pid not in self._candidates or pid in self._procs
+
     def forget(self, pid: int) -> None:
+        self._newcomers.discard(pid)
         self._candidates.pop(pid, None)
         if self._procs.pop(pid, None) is not None:
             self._maps.remove(pid, WALKER)

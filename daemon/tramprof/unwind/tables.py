@@ -243,6 +243,19 @@ class TableMode:
             self._install(pid)
         self._update_stats()
 
+    def follow(self, live: set[int]) -> None:
+        """A finished build is loaded and installed now, not at the next
+        refresh: the processes that wanted it are being sampled."""
+        if not any(build.done.is_set() for build in self._building.values()):
+            return
+        self._collect_builds()
+        for pid in live & self._procs.keys():
+            self._install(pid)
+        self._update_stats()
+
+    def following(self) -> bool:
+        return bool(self._building)
+
     def forget(self, pid: int) -> None:
         proc = self._procs.pop(pid, None)
         if proc is not None and proc.installed:
