@@ -228,10 +228,11 @@ def test_registry_prefers_chain_and_scan_lets_go(runtime_mappings, monkeypatch):
     assert modes.report(PID).mode == FP
 
 
-def test_a_runtime_that_activates_after_it_loaded_is_followed_before_the_next_refresh(
+def test_a_new_runtime_is_followed_between_refreshes_while_it_is_young(
         runtime_mappings, monkeypatch):
-    """The .pth loads the runtime, then activates it: the process is taken up
-    on the next wake of the loop, not at the next full refresh."""
+    """The .pth loads the runtime, then activates it, then the program's own
+    code fills new arenas: each is taken up on the next wake of the loop, not
+    at the next full refresh, for the process's first seconds."""
     published = [descriptor(False, [])]
     reads: list[int] = []
 
@@ -240,17 +241,28 @@ def test_a_runtime_that_activates_after_it_loaded_is_followed_before_the_next_re
         return published[-1]
 
     monkeypatch.setattr(chain_module, "read_descriptor", read)
+    clock = [1000.0]
     maps = RecordingMaps()
-    modes = UnwindModes([ChainMode(maps, str(runtime_mappings))])
+    chain = ChainMode(maps, str(runtime_mappings))
+    chain._newcomers = Newcomers(now=lambda: clock[0])
+    modes = UnwindModes([chain])
     modes.consider(PID, mappings(runtime_mappings))
     assert modes.mode_of(PID) == FP and modes.following()
     modes.follow(set())  # not (yet) a live process of the registry: not read
     assert reads == [PID]
     published.append(descriptor(True, [(ARENA, ARENA + 0x1000)], generation=2))
     modes.follow({PID})
-    assert modes.mode_of(PID) == "chain" and (PID, b"chain_procs") in maps.state
-    modes.follow({PID})  # unwound now: no longer a newcomer, not read again
-    assert reads == [PID, PID] and not modes.following()
+    assert modes.mode_of(PID) == "chain" and maps.state[(PID, b"chain_procs")][1] == {
+        (ARENA, ARENA + 0x1000)}
+    published.append(descriptor(True, [(ARENA, ARENA + 0x1000), (ARENA + 0x8000, ARENA + 0x9000)],
+                                generation=3))
+    clock[0] += NEWCOMER_SECONDS - 0.1
+    modes.follow({PID})
+    assert maps.state[(PID, b"chain_procs")][1] == {(ARENA, ARENA + 0x1000),
+                                                     (ARENA + 0x8000, ARENA + 0x9000)}
+    clock[0] += 0.2  # no longer young: left to the full refresh
+    modes.follow({PID})
+    assert reads == [PID] * 3 and not modes.following()
 
 
 def test_newcomers_leave_when_settled_or_old_and_at_most_a_limit_is_due():

@@ -78,7 +78,7 @@ class ChainMode:
         self.duty = DutyCycle(python_overhead_budget, proc_root)
         self._procs: dict[int, ChainProcess] = {}
         self._candidates: set[int] = set()  # runtime loaded, maybe not active yet
-        self._newcomers = Newcomers()  # loaded, not active yet: activate any moment
+        self._newcomers = Newcomers()  # activating, making their first arenas
         self._last_error: dict[int, tuple[str, str]] = {}  # pid -> (reason, detail)
         self._errors: Counter[str] = Counter()
 
@@ -97,8 +97,7 @@ class ChainMode:
         if pid not in self._candidates and any(EXTENSION_RE.search(m.path) for m in mappings):
             self._candidates.add(pid)
             self._update(pid)
-            if not self.unwinds(pid):
-                self._newcomers.add(pid)
+            self._newcomers.add(pid)
 
     def refresh(self, live: set[int]) -> None:
         for pid in list(self._candidates):
@@ -116,7 +115,7 @@ class ChainMode:
         return bool(self._newcomers)
 
     def _settled(self, pid: int) -> bool:
-        return pid not in self._candidates or self.unwinds(pid)
+        return pid not in self._candidates
 
     def forget(self, pid: int) -> None:
         self._newcomers.discard(pid)

@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 
 #: The mode of a process no trampoline mode unwinds.
 FP = "fp"
-#: A candidate not yet unwound is followed on every wake of the loop (at
-#: least this often, seconds) for NEWCOMER_SECONDS after it was taken, at
-#: most NEWCOMER_LIMIT of them per mode each time.
+#: A new candidate is followed on every wake of the loop (at least this
+#: often, seconds) for NEWCOMER_SECONDS after it was taken, at most
+#: NEWCOMER_LIMIT of them per mode each time.
 FOLLOW_EVERY = 0.1
 NEWCOMER_SECONDS = 5.0
 NEWCOMER_LIMIT = 32
@@ -235,11 +235,13 @@ class DryRunMaps:
 
 
 class Newcomers:
-    """Candidates a mode took in the last NEWCOMER_SECONDS and does not unwind
-    yet. A full refresh re-reads every process and runs about once a second;
-    a newcomer's runtime activates (or its first stubs appear) milliseconds
-    after the mode first saw it, and a command that lives three seconds
-    would lose a third of its samples waiting for that refresh."""
+    """Candidates a mode took in the last NEWCOMER_SECONDS. A full refresh
+    re-reads every process and runs about once a second; a newcomer's
+    runtime activates milliseconds after the mode first saw it, and its
+    first stubs fill new arenas while its code runs for the first time (a
+    stub in an arena not yet installed ends the walk there). A command that
+    lives three seconds would lose a third of its samples waiting for the
+    refresh."""
 
     def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
         self._since: dict[int, float] = {}
@@ -256,7 +258,7 @@ class Newcomers:
 
     def due(self, live: set[int], settled: Callable[[int], bool]) -> list[int]:
         """The newest NEWCOMER_LIMIT in ``live`` to look at now; the ones
-        ``settled`` (unwound, refused, gone) or too old leave."""
+        ``settled`` (refused, forgotten) or too old leave."""
         now = self._now()
         for pid, since in list(self._since.items()):
             if now - since > NEWCOMER_SECONDS or settled(pid):

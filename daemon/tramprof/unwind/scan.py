@@ -102,7 +102,7 @@ class ScanMode:
         self._procs: dict[int, ScanProcess] = {}
         self._candidates: dict[int, _Candidate] = {}
         self._refused: dict[int, tuple[str, str]] = {}
-        self._newcomers = Newcomers()  # no stubs installed yet: they appear any moment
+        self._newcomers = Newcomers()  # their first stubs appear now
         self._errors: Counter[str] = Counter()
 
     def unwinds(self, pid: int) -> bool:
@@ -133,8 +133,7 @@ class ScanMode:
             return
         self._candidates[pid] = cand
         self._update(pid)
-        if pid not in self._procs:
-            self._newcomers.add(pid)
+        self._newcomers.add(pid)
 
     def refresh(self, live: set[int]) -> None:
         for pid in list(self._candidates):
@@ -153,7 +152,7 @@ class ScanMode:
         return bool(self._newcomers)
 
     def _settled(self, pid: int) -> bool:
-        return pid not in self._candidates or pid in self._procs
+        return pid not in self._candidates
 
     def forget(self, pid: int) -> None:
         self._newcomers.discard(pid)
