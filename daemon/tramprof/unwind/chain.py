@@ -108,14 +108,10 @@ class ChainMode:
                 self.duty.update(pid)
 
     def follow(self, live: set[int]) -> None:
-        for pid in self._newcomers.due(live, self._settled):
-            self._update(pid)
+        self._newcomers.follow(live, self._candidates, self._update)
 
     def following(self) -> bool:
         return bool(self._newcomers)
-
-    def _settled(self, pid: int) -> bool:
-        return pid not in self._candidates
 
     def forget(self, pid: int) -> None:
         self._newcomers.discard(pid)

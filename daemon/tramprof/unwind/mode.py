@@ -18,7 +18,7 @@ import ctypes
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -266,3 +266,9 @@ class Newcomers:
         newest = sorted((p for p in self._since if p in live), key=self._since.__getitem__,
                         reverse=True)
         return newest[:NEWCOMER_LIMIT]
+
+    def follow(self, live: set[int], candidates: Container[int],
+               update: Callable[[int], None]) -> None:
+        """``update`` the newcomers due now that are still ``candidates``."""
+        for pid in self.due(live, lambda pid: pid not in candidates):
+            update(pid)
