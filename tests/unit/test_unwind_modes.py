@@ -276,13 +276,13 @@ def test_newcomers_leave_when_settled_or_old_and_at_most_a_limit_is_due():
     live = set(range(1, last + 1))
     # The newest first, at most the limit; the settled one leaves; one that is
     # not live is skipped.
-    assert newcomers.due(live - {last}, settled=lambda pid: pid == 1) == \
+    assert newcomers.due(live - {last}, candidates=live - {1}) == \
         list(range(last - 1, last - 1 - NEWCOMER_LIMIT, -1))
     newcomers.add(30)  # taken again: keeps its first time
     clock[0] = t0 + NEWCOMER_SECONDS + 0.0205  # pids 1..20 are too old now
-    assert newcomers.due(live, settled=lambda pid: False) == list(range(last, 20, -1))
+    assert newcomers.due(live, candidates=live) == list(range(last, 20, -1))
     clock[0] += 1
-    assert newcomers.due(live, settled=lambda pid: False) == [] and not newcomers
+    assert newcomers.due(live, candidates=live) == [] and not newcomers
 
 
 def test_doctor_dry_run_installs_nothing(tmp_path):

@@ -108,7 +108,8 @@ class ChainMode:
                 self.duty.update(pid)
 
     def follow(self, live: set[int]) -> None:
-        self._newcomers.follow(live, self._candidates, self._update)
+        for pid in self._newcomers.due(live, self._candidates):
+            self._update(pid)
 
     def following(self) -> bool:
         return bool(self._newcomers)

@@ -77,9 +77,10 @@ class UnwindMode(Protocol):
 
     def follow(self, live: set[int]) -> None:
         """Between refreshes, on every wake of the loop: look again only at
-        what is about to change (a runtime that activates milliseconds after
-        it loaded, a table build that finished), at a cost that does not grow
-        with the processes the mode holds. Forgets nothing."""
+        what is about to change (a young process whose runtime activates or
+        whose code fills new stub arenas, a table build that finished), at a
+        cost that does not grow with the processes the mode holds. Forgets
+        nothing."""
 
     def following(self) -> bool:
         """True while ``follow`` has something to look at within
@@ -256,19 +257,13 @@ class Newcomers:
     def __bool__(self) -> bool:
         return bool(self._since)
 
-    def due(self, live: set[int], settled: Callable[[int], bool]) -> list[int]:
-        """The newest NEWCOMER_LIMIT in ``live`` to look at now; the ones
-        ``settled`` (refused, forgotten) or too old leave."""
+    def due(self, live: set[int], candidates: Container[int]) -> list[int]:
+        """The newest NEWCOMER_LIMIT in ``live`` to look at now; the ones no
+        longer ``candidates`` (refused, forgotten) or too old leave."""
         now = self._now()
         for pid, since in list(self._since.items()):
-            if now - since > NEWCOMER_SECONDS or settled(pid):
+            if now - since > NEWCOMER_SECONDS or pid not in candidates:
                 del self._since[pid]
         newest = sorted((p for p in self._since if p in live), key=self._since.__getitem__,
                         reverse=True)
         return newest[:NEWCOMER_LIMIT]
-
-    def follow(self, live: set[int], candidates: Container[int],
-               update: Callable[[int], None]) -> None:
-        """``update`` the newcomers due now that are still ``candidates``."""
-        for pid in self.due(live, lambda pid: pid not in candidates):
-            update(pid)

@@ -102,7 +102,7 @@ class ScanMode:
         self._procs: dict[int, ScanProcess] = {}
         self._candidates: dict[int, _Candidate] = {}
         self._refused: dict[int, tuple[str, str]] = {}
-        self._newcomers = Newcomers()  # their first stubs appear now
+        self._newcomers = Newcomers()  # -X perf writes its trampolines as code first runs
         self._errors: Counter[str] = Counter()
 
     def unwinds(self, pid: int) -> bool:
@@ -145,7 +145,8 @@ class ScanMode:
             del self._refused[pid]
 
     def follow(self, live: set[int]) -> None:
-        self._newcomers.follow(live, self._candidates, self._update)
+        for pid in self._newcomers.due(live, self._candidates):
+            self._update(pid)
 
     def following(self) -> bool:
         return bool(self._newcomers)
