@@ -185,6 +185,25 @@ def test_maps_of_every_kind_work_through_descriptors(every_kind):
         program.get_table(b"recent", keytype=ctypes.c_uint64)
 
 
+def test_batches_read_and_delete_every_entry(every_kind):
+    """Batch reads cross chunk boundaries without losing or repeating an
+    entry; a batch delete skips keys that are already gone."""
+    things = every_kind[b"things"]
+    for pid in range(1, 41):
+        things[things.Key(pid=pid)] = things.Leaf(pid * 10)
+    for chunk in (1024, 7, 1):
+        pairs = things.items_raw(chunk=chunk)
+        read = {things.Key.from_buffer_copy(k).pid: int.from_bytes(v, "little")
+                for k, v in pairs}
+        assert len(pairs) == 40 and read == {pid: pid * 10 for pid in range(1, 41)}, chunk
+    doomed = [bytes(things.Key(pid=pid)) for pid in range(1, 41) if pid % 2]
+    del things[things.Key(pid=5)]
+    del things[things.Key(pid=39)]
+    assert things.delete_raw(doomed) == 18
+    assert sorted(k.pid for k in things) == list(range(2, 41, 2))
+    assert things.delete_raw([]) == 0
+
+
 def test_perf_events_and_buffers_open_and_close(every_kind):
     """A program attached to a software event on every CPU submits records
     that the perf buffer callbacks receive; cleanup detaches and closes all."""

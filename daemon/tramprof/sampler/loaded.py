@@ -40,6 +40,10 @@ MAP_LRU_PERCPU_HASH = 10
 MAP_ARRAY_OF_MAPS = 12
 MAP_HASH_OF_MAPS = 13
 
+# What bpf(2) says to batch operations it does not have: EINVAL before 5.6,
+# ENOTSUPP (524) or EOPNOTSUPP for map types without them.
+_NO_BATCH = (errno.EINVAL, 524, errno.EOPNOTSUPP)
+
 # A kernel stack trace holds at most this many frames (PERF_MAX_STACK_DEPTH).
 STACK_MAX_DEPTH = 127
 _BPF_F_STACK_BUILD_ID = 1 << 5
@@ -65,6 +69,9 @@ def runtime() -> ctypes.CDLL:
         "bpf_delete_elem": (c_int, [c_int, c_void_p]),
         "bpf_get_first_key": (c_int, [c_int, c_void_p, ctypes.c_uint]),
         "bpf_get_next_key": (c_int, [c_int, c_void_p, c_void_p]),
+        "bpf_lookup_batch": (c_int, [c_int, c_void_p, c_void_p, c_void_p, c_void_p,
+                                     ctypes.POINTER(ctypes.c_uint32)]),
+        "bpf_delete_batch": (c_int, [c_int, c_void_p, ctypes.POINTER(ctypes.c_uint32)]),
         "bpf_open_perf_buffer_opts": (c_void_p, [_RAW_CALLBACK, _LOST_CALLBACK, c_void_p,
                                                  c_int, ctypes.POINTER(_PerfBufferOptions)]),
         "perf_reader_consume": (c_int, [c_int, ctypes.POINTER(c_void_p)]),
@@ -274,6 +281,69 @@ class Table:
             except KeyError:
                 continue
         return pairs
+
+    def items_raw(self, chunk: int = 1024) -> list[tuple[bytes, bytes]]:
+        """Every (key, value) as bytes, ``chunk`` entries a system call
+        (BPF_MAP_LOOKUP_BATCH) instead of two calls an entry; entries that
+        come or go meanwhile may or may not be in it. Without batch
+        operations in the kernel (before 5.6), one entry at a time."""
+        key_size, value_size = ctypes.sizeof(self.Key), ctypes.sizeof(self.Leaf)
+        keys = ctypes.create_string_buffer(key_size * chunk)
+        values = ctypes.create_string_buffer(value_size * chunk)
+        # The position token: a bucket number for hash maps, a key for others.
+        position, following = (ctypes.create_string_buffer(max(key_size, 8)) for _ in "ab")
+        pairs: list[tuple[bytes, bytes]] = []
+        first = True
+        while True:
+            count = ctypes.c_uint32(chunk)
+            result = self._lib.bpf_lookup_batch(self.map_fd, None if first else position,
+                                                following, keys, values, ctypes.byref(count))
+            code = ctypes.get_errno() if result < 0 else 0
+            if code == errno.ENOSPC and count.value == 0:  # a hash bucket holds more
+                chunk *= 2
+                keys = ctypes.create_string_buffer(key_size * chunk)
+                values = ctypes.create_string_buffer(value_size * chunk)
+                continue
+            if code and code != errno.ENOENT:
+                if first and code in _NO_BATCH:
+                    return [(bytes(k), bytes(v)) for k, v in self.items()]
+                raise OSError(code, f"reading table {self.name.decode()}: "
+                                    f"{os.strerror(code)}")
+            got_keys = keys.raw[:count.value * key_size]
+            got_values = values.raw[:count.value * value_size]
+            pairs.extend((got_keys[i * key_size:(i + 1) * key_size],
+                          got_values[i * value_size:(i + 1) * value_size])
+                         for i in range(count.value))
+            if code == errno.ENOENT:  # that was the last of them
+                return pairs
+            ctypes.memmove(position, following, len(position))
+            first = False
+
+    def delete_raw(self, keys: list[bytes]) -> int:
+        """Delete the entries of these keys (bytes) in one system call
+        (BPF_MAP_DELETE_BATCH); keys already gone are skipped. The number
+        deleted."""
+        deleted = start = 0
+        size = ctypes.sizeof(self.Key)
+        while start < len(keys):
+            batch = b"".join(keys[start:])
+            count = ctypes.c_uint32(len(keys) - start)
+            result = self._lib.bpf_delete_batch(self.map_fd, batch, ctypes.byref(count))
+            code = ctypes.get_errno() if result < 0 else 0
+            if code in _NO_BATCH and start == 0 and count.value == 0:
+                for key in keys:
+                    with contextlib.suppress(KeyError):
+                        del self[self.Key.from_buffer_copy(key[:size])]
+                        deleted += 1
+                return deleted
+            deleted += count.value
+            if not code:
+                return deleted
+            if code != errno.ENOENT:
+                raise OSError(code, f"deleting from table {self.name.decode()}: "
+                                    f"{os.strerror(code)}")
+            start += count.value + 1  # the batch stopped at a key that is gone
+        return deleted
 
     def values(self) -> list[Any]:
         return [value for _key, value in self.items()]
