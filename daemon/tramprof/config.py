@@ -131,6 +131,12 @@ class Config:
     # while it is off carry "[python frames paused]" instead of Python names.
     # Applies to processes under tramprof_trampolines 0.1 with ABI 2 or later.
     python_overhead_budget: float = 0.0
+    # Directory where the compiled BPF program is kept (an absolute path), so
+    # that the next start on the same kernel, bcc and tramprof loads it in
+    # place of compiling (seconds and ~150 MB less at start-up); "" compiles
+    # at every start. Created (0700) if missing; used only if it and its
+    # files belong to the daemon's user or root and no one else can write them.
+    program_cache_dir: str = "/var/cache/tramprof"
     # "UID:GID" a root daemon switches to once started, keeping only the
     # capabilities it needs; "" keeps the uid (capabilities are dropped anyway).
     run_as: str = "65534:65534"
@@ -257,6 +263,8 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "max_process_series": _range(10, 1_000_000),
     "symbol_memory_bytes": _range(1 << 20, 1 << 36, " (bytes)"),
     "python_overhead_budget": _range(0, 1),
+    "program_cache_dir": lambda v: "" if v == "" or (v.startswith("/") and "\0" not in v)
+    else 'must be an absolute path, or "" to compile at every start',
     "unwind_table_bytes": lambda v: "" if v == 0 else _range(1 << 20, 1 << 34, " (bytes)")(v),
     "run_as": lambda v: "" if v == "" or (v.count(":") == 1 and all(
         p.isascii() and p.isdigit() and int(p) < 1 << 32 for p in v.split(":")))

@@ -62,6 +62,7 @@ def sampler_config(config: Config) -> SamplerConfig:
                          scan_bytes=config.scan_window_bytes,
                          max_stub_pages_per_process=config.max_stub_pages_per_process,
                          unwind_table_bytes=config.unwind_table_bytes,
+                         program_cache_dir=config.program_cache_dir,
                          max_targets=max(4096, len(config.pids)))
 
 

@@ -32,11 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tramprof.sampler.image import ImageError, ImageMap, ImageProgram, ProgramImage, map_references
 from tramprof.sampler.loaded import LoadedProgram, MapSpec, runtime
 
 #: Seconds to wait for the compiler (~3 s here; a busy 2-core machine is slower).
 COMPILE_TIMEOUT = 300.0
 _MAX_REPLY_BYTES = 1 << 20
+_MAX_IMAGE_BYTES = 16 << 20
 _MAX_FDS = 250  # one message carries at most SCM_MAX_FD (253) descriptors
 _MADV_DONTNEED = 4
 _COMPILER_LIBRARIES = re.compile(r"/lib(LLVM|clang)[^/]*\.so")
@@ -61,33 +63,41 @@ class LoadRequest:
     cflags: Sequence[str]
     programs: Sequence[tuple[str, int]]  # (function, BPF program type) to load
     tail_calls: Sequence[tuple[str, str]]  # (program array, function) placed at index 0
+    # (map of maps, the map whose shape its entries have): bcc knows it from
+    # the source but does not tell; a program image needs it.
+    inner_maps: Sequence[tuple[str, str]] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "cflags": list(self.cflags),
                 "programs": [list(p) for p in self.programs],
-                "tail_calls": [list(t) for t in self.tail_calls]}
+                "tail_calls": [list(t) for t in self.tail_calls],
+                "inner_maps": [list(m) for m in self.inner_maps]}
 
 
 @dataclass(frozen=True)
 class Compiled:
     program: LoadedProgram
     output: str  # compiler warnings, if any
+    image: ProgramImage | None = None  # when asked for and the bytecode allows one
+    image_problem: str = ""  # why there is none
 
 
-def compile_and_load(request: LoadRequest, timeout: float = COMPILE_TIMEOUT) -> Compiled:
-    """Run the compiler child; the loaded program, or CompileError."""
+def compile_and_load(request: LoadRequest, timeout: float = COMPILE_TIMEOUT,
+                     image: bool = False) -> Compiled:
+    """Run the compiler child; the loaded program (with its image if
+    ``image``), or CompileError."""
     try:
         runtime()  # what the daemon uses the program with: fail before compiling
     except OSError as exc:
         raise CompileError("child", f"cannot load bcc's runtime library: {exc} "
                                     "(install libbpfcc)", "") from exc
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with ours, tempfile.TemporaryFile() as output:
+    with ours, tempfile.TemporaryFile() as output, tempfile.TemporaryFile() as image_file:
+        passed = (theirs.fileno(), image_file.fileno()) if image else (theirs.fileno(),)
         try:
             child = subprocess.Popen(
-                [sys.executable, "-m", "tramprof.sampler.compiler", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.PIPE,
-                stdout=output, stderr=output)
+                [sys.executable, "-m", "tramprof.sampler.compiler", *map(str, passed)],
+                pass_fds=passed, stdin=subprocess.PIPE, stdout=output, stderr=output)
         finally:
             theirs.close()
         try:
@@ -96,12 +106,25 @@ def compile_and_load(request: LoadRequest, timeout: float = COMPILE_TIMEOUT) -> 
             _reap(child)
         output.seek(0)
         printed = output.read().decode(errors="replace")
+        image_file.seek(0)
+        image_text = image_file.read(_MAX_IMAGE_BYTES + 1)
     try:
-        return Compiled(_unpack(message, fds, printed, child.returncode), printed)
+        program = _unpack(message, fds, printed, child.returncode)
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
+    if not image:
+        return Compiled(program, printed)
+    try:
+        if len(image_text) > _MAX_IMAGE_BYTES:
+            raise ImageError(f"the image exceeds {_MAX_IMAGE_BYTES} bytes")
+        reply = json.loads(image_text or b'{"problem": "the compiler wrote no image"}')
+        if "problem" in reply:
+            return Compiled(program, printed, image_problem=str(reply["problem"]))
+        return Compiled(program, printed, ProgramImage.from_json(reply))
+    except (ImageError, ValueError) as exc:
+        return Compiled(program, printed, image_problem=str(exc))
 
 
 def _exchange(child: subprocess.Popen[bytes], sock: socket.socket, request: LoadRequest,
@@ -213,8 +236,40 @@ def _describe_maps(lib: Any, module: Any) -> list[tuple[MapSpec, int]]:
     return maps
 
 
-def build(request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-    """Compile and load; the reply and the descriptors to send with it."""
+def _image(lib: Any, module: Any, request: dict[str, Any],
+           maps: list[tuple[MapSpec, int]]) -> dict[str, Any]:
+    """The loaded program as an image (``sampler.image``), or why there is none."""
+    lib.bpf_function_start.restype = ctypes.c_void_p
+    lib.bpf_function_start.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.bpf_function_size.restype = ctypes.c_size_t
+    lib.bpf_function_size.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.bpf_module_license.restype = ctypes.c_char_p
+    lib.bpf_module_license.argtypes = [ctypes.c_void_p]
+    names_by_fd = {fd: spec.name.decode() for spec, fd in maps}
+    inner = {str(outer): str(template) for outer, template in request.get("inner_maps", ())}
+    try:
+        programs = []
+        for name, prog_type in request["programs"]:
+            start = lib.bpf_function_start(module, str(name).encode())
+            if not start:
+                raise ImageError(f"bcc has no bytecode for {name}")
+            insns = ctypes.string_at(start, lib.bpf_function_size(module, str(name).encode()))
+            programs.append(ImageProgram(str(name), int(prog_type),
+                                         (lib.bpf_module_license(module) or b"").decode(),
+                                         insns, map_references(insns, names_by_fd)))
+        image = ProgramImage(
+            tuple(ImageMap(spec, inner.get(spec.name.decode(), "")) for spec, _fd in maps),
+            tuple(programs), tuple((str(a), str(f)) for a, f in request["tail_calls"]))
+        image.check()
+    except ImageError as exc:
+        return {"problem": str(exc)}
+    return image.to_json()
+
+
+def build(request: dict[str, Any],
+          image_file: Any = None) -> tuple[dict[str, Any], list[int]]:
+    """Compile and load; the reply and the descriptors to send with it. With
+    ``image_file``, the program's image is written there."""
     from bcc import BPF  # loads LLVM: only ever in this child
     from bcc.libbcc import lib
 
@@ -239,13 +294,17 @@ def build(request: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     if len(maps) + len(functions) > _MAX_FDS:
         return {"stage": "load", "error": f"{len(maps)} maps and {len(functions)} programs "
                                           f"exceed {_MAX_FDS} descriptors"}, []
+    if image_file is not None:
+        image_file.write(json.dumps(_image(lib, bpf.module, request, maps)).encode())
+        image_file.flush()
     reply = {"maps": [spec.to_json() for spec, _fd in maps], "programs": list(functions)}
     return reply, [fd for _spec, fd in maps] + list(functions.values())
 
 
 def main(argv: list[str]) -> None:
     sock = socket.socket(fileno=int(argv[0]))
-    reply, fds = build(json.loads(sys.stdin.buffer.read()))
+    image_file = open(int(argv[1]), "wb", closefd=False) if len(argv) > 1 else None  # noqa: SIM115
+    reply, fds = build(json.loads(sys.stdin.buffer.read()), image_file)
     socket.send_fds(sock, [json.dumps(reply).encode()], fds)
     sys.stderr.flush()
     # Skip tearing down LLVM and bcc's module: the descriptors are the

@@ -36,9 +36,11 @@ from tramprof.sampler.btf import VMLINUX_BTF, BtfError, KernelBtf
 from tramprof.sampler.chunkmaker import ChunkMaker
 from tramprof.sampler.compiler import CompileError, LoadRequest, compile_and_load
 from tramprof.sampler.drain import drain_buffer
+from tramprof.sampler.image import ImageError, load_image
 from tramprof.sampler.layout import Counter
 from tramprof.sampler.loaded import LoadedProgram
 from tramprof.sampler.maps import ProcessMaps
+from tramprof.sampler.programcache import ProgramCache, cache_key
 from tramprof.sampler.tables import CHUNK_BYTES, UnwindTableMaps
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,8 @@ _PERF_COUNT_HW_CPU_CYCLES, _PERF_COUNT_SW_CPU_CLOCK = 0, 0
 # the stack scan, the unwind-table walk.
 _SAMPLING_PROGRAM = "on_sample"
 _TAIL_PROGRAMS = (("scan_programs", "scan_step"), ("table_programs", "table_step_run"))
+# Maps of maps and the map whose shape their entries have (BPF_ARRAY_OF_MAPS).
+_INNER_MAPS = (("unwind_chunks", "unwind_chunk"),)
 
 # Kernel fields the program reads, by -D name; offsets come from BTF.
 _BTF_FIELDS = {
@@ -89,6 +93,7 @@ class SamplerConfig:
     scan_bytes: int = 65536  # stack window of "scan" mode, from sp upward
     max_stub_pages_per_process: int = DEFAULT_STUB_PAGES
     unwind_table_bytes: int = 64 << 20  # 0: no unwind tables
+    program_cache_dir: str = ""  # compiled program images kept here; "": compile every time
 
     def __post_init__(self) -> None:
         # The settings' own rules (a ConfigError is a ValueError).
@@ -182,6 +187,12 @@ class Sampler:
         self._maps: ProcessMaps | None = None
         self._tables: UnwindTableMaps | None = None
         self._chunk_maker: ChunkMaker | None = None
+        self._loaded_from = ""
+
+    @property
+    def loaded_from(self) -> str:
+        """Where the program came from: "cache", "compiler" or "" (not loaded)."""
+        return self._loaded_from
 
     def load(self) -> None:
         """Compile and load the program without attaching it (nothing is
@@ -194,7 +205,7 @@ class Sampler:
             cflags = build_cflags(self.config, self._btf_path)
         except BtfError as exc:
             raise SamplerError(f"cannot read kernel BTF: {exc}") from exc
-        self._bpf = self._load(cflags)
+        self._bpf = self._load(cflags, self.config.program_cache_dir, self._btf_path)
 
     def start(self, pids: Iterable[int] | None = None) -> None:
         """Compile and load (unless ``load`` did), then attach; with
@@ -214,17 +225,32 @@ class Sampler:
         self._attach()
         self._enable_run_time_stats()
 
-    @staticmethod
-    def _load(cflags: list[str]) -> LoadedProgram:
-        """The program compiled and loaded by the compiler child, its tail
-        calls in place."""
+    def _load(self, cflags: list[str], cache_dir: str, btf_path: str) -> LoadedProgram:
+        """The program loaded from its cached image, or else compiled and
+        loaded by the compiler child (and its image cached), tail calls in
+        place."""
         request = LoadRequest(
             text=program_source(), cflags=cflags,
             programs=[(name, _PROG_TYPE_PERF_EVENT)
                       for name in (_SAMPLING_PROGRAM, *(p for _a, p in _TAIL_PROGRAMS))],
-            tail_calls=_TAIL_PROGRAMS)
+            tail_calls=_TAIL_PROGRAMS, inner_maps=_INNER_MAPS)
+        cache = ProgramCache(cache_dir) if cache_dir else None
+        key = cache_key(request, btf_path) if cache else ""
+        if cache and (image := cache.load(key)) is not None:
+            started = time.monotonic()
+            try:
+                program = load_image(image)
+            except (OSError, ImageError) as exc:
+                log.warning("the cached program %s did not load (%s); compiling it",
+                            key[:12], exc)
+            else:
+                log.info("BPF program loaded from the cache (%s) in %.2f s", key[:12],
+                         time.monotonic() - started)
+                self._loaded_from = "cache"
+                return program
+        started = time.monotonic()
         try:
-            compiled = compile_and_load(request)
+            compiled = compile_and_load(request, image=cache is not None)
         except CompileError as exc:
             if exc.stage == "load" and exc.program:
                 detail = "\n".join(exc.output.strip().splitlines()[-20:])
@@ -235,6 +261,13 @@ class Sampler:
                                f"hint: {_load_hint(exc.output)}") from exc
         if compiled.output.strip():
             log.debug("bcc compiler output:\n%s", compiled.output)
+        log.info("BPF program compiled and loaded in %.2f s", time.monotonic() - started)
+        self._loaded_from = "compiler"
+        if cache is not None:
+            if compiled.image is None:
+                log.warning("the compiled program cannot be cached: %s", compiled.image_problem)
+            elif cache.store(key, compiled.image):
+                log.info("compiled program kept in %s for the next start", cache.directory)
         return compiled.program
 
     def _open_new_process_events(self) -> None:
