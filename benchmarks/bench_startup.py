@@ -1,12 +1,15 @@
 """Start-up of ``tramprof run``: memory while the BPF program is compiled,
 memory once running, and time until the daemon is healthy (root).
 
-Two variants run side by side, alternating round by round so that load on
-the machine affects both alike, each a fresh ``tramprof run`` with its
-defaults:
+Three variants run side by side, alternating round by round so that load
+on the machine affects them alike, each a fresh ``tramprof run`` with its
+defaults but for ``program_cache_dir``:
 
-* ``child``: the daemon as it is (bcc compiles and loads in a short-lived
-  compiler child, before kallsyms is parsed);
+* ``cached``: the daemon as it is, restarted: the program's image is in its
+  cache (filled by one uncounted run first), no compiler runs;
+* ``child``: the daemon as it is at its first start on a kernel (no cache:
+  bcc compiles and loads in a short-lived compiler child, before kallsyms is
+  parsed);
 * ``in-process``: the same daemon with ``sampler/program.py`` as it was
   before the compiler child (bcc compiled inside the daemon). That file is
   read from git (``--baseline``, default: the revision before the one that
@@ -34,7 +37,7 @@ variant (median over rounds, worst in brackets):
   are taken until a second after the first healthy ``/healthz``.
 
 Run (root): ``.venv/bin/python benchmarks/bench_startup.py [--rounds 3]``
-(~3 minutes).
+(~5 minutes).
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ if path:
     spec.loader.exec_module(module)
     if not hasattr(module.Sampler, "load"):
         module.Sampler.load = lambda self: None
+    if not hasattr(module.Sampler, "loaded_from"):  # before the program cache
+        original = module.SamplerConfig
+        module.SamplerConfig = lambda program_cache_dir="", **settings: original(**settings)
 from tramprof.commands.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -207,16 +213,23 @@ def healthy(port: int) -> bool:
         return False
 
 
-def one_run(program: str, steady: float) -> Run:
+@dataclass(frozen=True)
+class Variant:
+    program: str  # a program.py to use in place of the current one, or ""
+    config: str  # the configuration file (program_cache_dir)
+
+
+def one_run(variant: Variant, steady: float) -> Run:
     with tempfile.TemporaryFile(mode="w+") as log:  # a pipe nobody reads could block it
-        return measure(program, steady, log)
+        return measure(variant, steady, log)
 
 
-def measure(program: str, steady: float, log: IO[str]) -> Run:
+def measure(variant: Variant, steady: float, log: IO[str]) -> Run:
     port = free_port()
     began = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, program, "run", "--listen",
-                             f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=log)
+    proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, variant.program, "run",
+                             "--config", variant.config, "--listen", f"127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=log)
     try:
         data = watch_startup(proc, port, began, log)
         # Later growth depends on what else runs on the machine (every
@@ -301,11 +314,17 @@ def main() -> None:
         raise SystemExit("bench_startup.py needs root (the daemon loads BPF programs)")
     revision = baseline_revision(args.baseline)
     with tempfile.TemporaryDirectory(prefix="tramprof-bench-startup-") as folder:
-        compare({"in-process": baseline_program(revision, folder), "child": ""},
-                revision, args.rounds, args.steady)
+        uncached, cached = Path(folder) / "uncached.toml", Path(folder) / "cached.toml"
+        uncached.write_text('program_cache_dir = ""\n')
+        cached.write_text(f'program_cache_dir = "{folder}/cache"\n')
+        variants = {"in-process": Variant(baseline_program(revision, folder), str(uncached)),
+                    "child": Variant("", str(uncached)), "cached": Variant("", str(cached))}
+        warm = one_run(variants["cached"], 1)
+        print(f"  filling the cache: healthy in {warm.startup:.2f} s", flush=True)
+        compare(variants, revision, args.rounds, args.steady)
 
 
-def compare(variants: dict[str, str], revision: str, rounds: int, steady: float) -> None:
+def compare(variants: dict[str, Variant], revision: str, rounds: int, steady: float) -> None:
     print(f"baseline: {PROGRAM} at {revision}; {rounds} rounds, steady reading "
           f"{steady:.0f} s after /healthz", flush=True)
     runs: dict[str, list[Run]] = {name: [] for name in variants}

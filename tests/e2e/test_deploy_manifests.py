@@ -319,12 +319,19 @@ def test_daemonset_least_privilege() -> None:
     assert added == RUNTIME_CAPABILITIES | STARTUP_CAPABILITIES | {"CAP_SETUID", "CAP_SETGID"}
     assert pod["hostPID"] is True and not pod.get("hostNetwork", False)
     assert pod["automountServiceAccountToken"] is False
+    # Host paths are read-only, but for the daemon's own program cache: it
+    # is written at start-up as uid 0 into a root-owned directory, which the
+    # daemon can no longer write once it runs as run_as.
     for volume in pod["volumes"]:
         if "hostPath" in volume:
             mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
-            assert mount.get("readOnly") is True, volume
+            if volume["hostPath"]["path"] == "/var/cache/tramprof":
+                assert mount["mountPath"] == Config().program_cache_dir, mount
+                assert volume["hostPath"]["type"] == "DirectoryOrCreate", volume
+            else:
+                assert mount.get("readOnly") is True, volume
     assert {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v} == \
-        {"/sys/kernel/btf"}
+        {"/sys/kernel/btf", "/var/cache/tramprof"}
     limits, requests = container["resources"]["limits"], container["resources"]["requests"]
     assert requests["memory"] == "256Mi" and limits["memory"] == "512Mi"
 

@@ -585,6 +585,18 @@ def test_unit_under_systemd(machine: Machine) -> None:
     assert "Result=success" in result and "ActiveState=inactive" in result, result
     left = set(ours) & loaded_program_ids()
     assert not left, f"stopping must unload the daemon's BPF programs; still loaded: {left}"
+
+    # The first start compiled and kept the program in CacheDirectory=; a
+    # restart with the same settings loads it from there, no compiler.
+    first = m.run(f"journalctl --no-pager -o cat _SYSTEMD_INVOCATION_ID={invocation}").stdout
+    assert "compiled program kept in /var/cache/tramprof" in first, first
+    m.run("sed -i 's/^max_keys = .*/max_keys = 16384/' /etc/tramprof/tramprof.toml")
+    m.run("systemctl start tramprof", timeout=240)
+    again = m.run("systemctl show -p InvocationID --value tramprof").stdout.strip()
+    journal = m.run(f"journalctl --no-pager -o cat _SYSTEMD_INVOCATION_ID={again}").stdout
+    assert "BPF program loaded from the cache" in journal, journal
+    assert "BPF program compiled" not in journal, journal
+    m.run("systemctl stop tramprof", timeout=60)
     journal = m.run("journalctl -u tramprof --no-pager -o cat").stdout
     print(f"service test in {time.monotonic() - began:.1f} s; journal:\n{journal[-3000:]}")
 
