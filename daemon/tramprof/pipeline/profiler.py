@@ -25,6 +25,7 @@ from tramprof.config import Config
 from tramprof.inject.policy import AutoInjector
 from tramprof.model import RawSample, Stack
 from tramprof.pipeline.frames import UserLocator, UserResolver, located_frames
+from tramprof.pipeline.heap import HeapPolicy
 from tramprof.pipeline.stats import ProcessSamples, ProfilerStats
 from tramprof.procfs.events import open_event_source
 from tramprof.sampler.layout import Counter as BpfCounter
@@ -133,6 +134,7 @@ class Profiler:
         self.config = config
         self.sampler = Sampler(sampler_config(config))
         self.kernel = KernelSymbols(f"{config.proc_root}/kallsyms")
+        self.heap = HeapPolicy()
         self.stats = ProfilerStats(samples_by_process=ProcessSamples(
             config.max_process_series, config.series_expiry))
         self.registry = ProcessRegistry(proc_root=config.proc_root,
@@ -269,6 +271,8 @@ class Profiler:
     def collect(self) -> list[Stack]:
         """Drain the kernel buffers and return this interval's named stacks."""
         began = time.monotonic()
+        # Collector paused throughout, the heap frozen at the end: what the
+        # drain made is never walked by the collector (pipeline.heap).
         with gc_paused():
             samples = self.sampler.drain()
             # Newest image first: it is the one /proc shows now (see symbols.images).
@@ -282,19 +286,22 @@ class Profiler:
                     # A bug in one stack must not stop the daemon; count it, keep the rest.
                     self.stats.symbolization_failures["internal_error"] += sample.count
                     log.exception("cannot symbolize a sample of pid %d", sample.tgid)
-        sampled, self._sampled = self._sampled, {}
-        for pid, image in sampled.items():
-            if not self.errors.backing_off(pid):
-                with self.errors.boundary(pid, "unwind_consider", partial(self._drop, pid)):
-                    self._consider(pid, image)
-        # The modes are refreshed below, once the pending events are applied.
-        self._handle_process_events()
-        self.registry.apply_pending()
-        # A process whose main thread exits first sends no process-level exit
-        # event; a /proc check after every drain catches it.
-        self.registry.resync()
-        self._refresh_modes()
-        self._update_stats(stacks, began)
+            del samples
+            sampled, self._sampled = self._sampled, {}
+            for pid, image in sampled.items():
+                if not self.errors.backing_off(pid):
+                    with self.errors.boundary(pid, "unwind_consider",
+                                              partial(self._drop, pid)):
+                        self._consider(pid, image)
+            # The modes are refreshed below, once the pending events are applied.
+            self._handle_process_events()
+            self.registry.apply_pending()
+            # A process whose main thread exits first sends no process-level exit
+            # event; a /proc check after every drain catches it.
+            self.registry.resync()
+            self._refresh_modes()
+            self._update_stats(stacks, began)
+            self.heap.after_drain()
         return stacks
 
     def _update_stats(self, stacks: list[Stack], began: float) -> None:
@@ -376,6 +383,7 @@ class Profiler:
         return self.sampler.counters()
 
     def close(self) -> None:
+        self.heap.close()
         self.injector.close()
         for native in self.unwinders.native:
             native.close()
