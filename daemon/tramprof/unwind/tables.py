@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from bisect import bisect_right
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol
@@ -117,12 +117,34 @@ class TableStats:
     builds: Counter[str] = field(default_factory=Counter)  # result -> objects
 
 
-def _object_key(f: BinaryIO) -> str:
-    build_id = read_build_id(f)
-    if build_id:
-        return f"build-id:{build_id}"
-    st = os.fstat(f.fileno())
-    return f"file:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+#: Files whose object key is remembered (by device, inode, size and mtime).
+MAX_REMEMBERED_KEYS = 4096
+
+
+class ObjectKeys:
+    """An object's key: its build id, else its file identity. The build id
+    takes an ELF parse (headers and notes), and every new process of a busy
+    node maps the same few files again, so it is remembered per file."""
+
+    def __init__(self, limit: int = MAX_REMEMBERED_KEYS) -> None:
+        self._limit = limit
+        self._keys: OrderedDict[tuple[int, int, int, int], str] = OrderedDict()
+        self.parses = 0
+
+    def of(self, f: BinaryIO) -> str:
+        st = os.fstat(f.fileno())
+        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = self._keys.get(identity)
+        if key is not None:
+            self._keys.move_to_end(identity)
+            return key
+        self.parses += 1
+        build_id = read_build_id(f)
+        key = f"build-id:{build_id}" if build_id else "file:{}:{}:{}:{}".format(*identity)
+        self._keys[identity] = key
+        if len(self._keys) > self._limit:
+            self._keys.popitem(last=False)
+        return key
 
 
 Built = tuple[UnwindTable, tuple[tuple[int, int, int], ...], float]
@@ -185,6 +207,7 @@ class TableMode:
         self._procs: dict[int, TabledProcess] = {}
         self._objects: dict[str, TableObject] = {}
         self._building: dict[str, Build] = {}
+        self._keys = ObjectKeys()
         self._worker: BuildWorker | None = None
         self._errors: Counter[str] = Counter()
         self.stats = TableStats()
@@ -320,7 +343,7 @@ class TableMode:
                 proc.unreadable.add(at)
                 continue
             try:
-                key = _object_key(f)
+                key = self._keys.of(f)
             except (OSError, ValueError) as exc:
                 f.close()
                 self._errors["object_unreadable"] += 1
