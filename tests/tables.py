@@ -37,18 +37,24 @@ def share(stacks: Stacks, good: Callable[[tuple[str, ...]], bool]) -> float:
 
 def profile(pid: int, good: Callable[[tuple[str, ...]], bool], seconds: float = 3.0,
             warm_timeout: float = 90.0) -> tuple[Stacks, ProfilerStats, TableMode]:
-    """Profile ``pid`` until its tables are in (a drain is mostly ``good``, or
-    the time is up), then for ``seconds`` more: those stacks are returned."""
+    """Profile ``pid`` until its tables are in (a drain is mostly ``good`` and
+    no table of an object seen so far is still being built, or the time is
+    up), then for ``seconds`` more: those stacks are returned. (A rarely
+    sampled object, such as libstdc++ under a C++ throw, may be seen only
+    after the drain that is mostly good; its frames are leaf-only until its
+    table is in.)"""
     profiler = Profiler(Config(pids=(pid,), frequency=499, interval=0.5))
     profiler.start()
     try:
+        mode = next(m for m in profiler.unwinders.native if isinstance(m, TableMode))
         deadline = time.monotonic() + warm_timeout
         while time.monotonic() < deadline:
             profiler.wait(0.5)
             drained: Stacks = Counter()
             for stack in profiler.collect():
                 drained[stack.frames] += stack.count
-            if sum(drained.values()) >= 50 and share(drained, good) >= 0.9:
+            building = any(o.state == "queued" for o in mode.objects())
+            if sum(drained.values()) >= 50 and share(drained, good) >= 0.9 and not building:
                 break
         stacks: Stacks = Counter()
         end = time.monotonic() + seconds
@@ -56,7 +62,6 @@ def profile(pid: int, good: Callable[[tuple[str, ...]], bool], seconds: float = 
             profiler.wait(0.5)
             for stack in profiler.collect():
                 stacks[stack.frames] += stack.count
-        mode = next(m for m in profiler.unwinders.native if isinstance(m, TableMode))
         return stacks, profiler.stats.copy(), mode
     finally:
         profiler.close()
