@@ -41,7 +41,10 @@ def test_regrtest_passes_when_injected_mid_run(name: str, runtime_dir) -> None:
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(2.0)  # well inside the first tests
         assert proc.poll() is None, "the tests ended before the injection"
-        result = inject(pid, runtimes=RuntimeStore(runtime_dir))
+        # The activation runs when the main thread next executes Python code;
+        # a test may keep it waiting in C (a join, a lock) for seconds, longer
+        # on a loaded machine (one CI run: over the default 5 s).
+        result = inject(pid, timeout=30.0, runtimes=RuntimeStore(runtime_dir))
         assert result.ok, result.render()
         out, err = proc.communicate(timeout=1200)
     finally:
