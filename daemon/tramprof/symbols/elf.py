@@ -523,7 +523,8 @@ def _build_id_from_notes(blob: bytes, endian: str) -> str | None:
     return None
 
 
-def _stat_key(st: os.stat_result) -> str:
+def stat_key(st: os.stat_result) -> str:
+    """A file's identity while unchanged: device, inode, size, mtime."""
     return f"stat:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
 
@@ -566,32 +567,32 @@ class ElfCache:
         """Symbols of an open file if this exact file was parsed before; never parses."""
         st = os.fstat(f.fileno())
         with self._lock:
-            primary = self._aliases.get(_stat_key(st))
+            primary = self._aliases.get(stat_key(st))
             return self._lookup(primary) if primary is not None else None
 
     def get_file(self, f: BinaryIO) -> ElfSymbols:
         """Symbols of an open file; raises OSError or ElfError."""
         st = os.fstat(f.fileno())
-        stat_key = _stat_key(st)
+        identity = stat_key(st)
         with self._lock:
-            primary = self._aliases.get(stat_key)
+            primary = self._aliases.get(identity)
             if primary is not None:
                 cached = self._lookup(primary)
                 if cached is not None:
-                    self._aliases.move_to_end(stat_key)
+                    self._aliases.move_to_end(identity)
                     return cached
-            failure = self._failures.get(stat_key)
+            failure = self._failures.get(identity)
             if failure is not None:
                 self.hits += 1
                 raise ElfError(str(failure), reason=failure.reason)
 
         try:
             build_id = read_build_id(f)
-            key = f"build-id:{build_id}" if build_id else stat_key
+            key = f"build-id:{build_id}" if build_id else identity
             with self._lock:
                 cached = self._lookup(key)
                 if cached is not None:
-                    self._alias(stat_key, key)
+                    self._alias(identity, key)
                     return cached
             try:
                 symbols = _parse(f)
@@ -600,14 +601,14 @@ class ElfCache:
         except ElfError as e:
             with self._lock:
                 self.misses += 1
-                self._failures[stat_key] = e
+                self._failures[identity] = e
                 while len(self._failures) > self.max_entries:
                     self._failures.popitem(last=False)
             raise
         with self._lock:
             self.misses += 1
             self._insert(key, symbols)
-            self._alias(stat_key, key)
+            self._alias(identity, key)
         return symbols
 
     def get_image(self, data: bytes) -> ElfSymbols:

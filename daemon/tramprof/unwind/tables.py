@@ -39,7 +39,7 @@ from tramprof.model import RawSample
 from tramprof.procfs.maps import Mapping
 from tramprof.sampler import layout
 from tramprof.sampler.tables import CHUNK_BYTES, PROC_BYTES, TablesFull, chunks_for
-from tramprof.symbols.elf import read_build_id
+from tramprof.symbols.elf import read_build_id, stat_key
 from tramprof.symbols.safeopen import open_mapping
 from tramprof.unwind.arenas import Arenas
 from tramprof.unwind.cfi import CfiError, UnwindTable
@@ -128,19 +128,18 @@ class ObjectKeys:
 
     def __init__(self, limit: int = MAX_REMEMBERED_KEYS) -> None:
         self._limit = limit
-        self._keys: OrderedDict[tuple[int, int, int, int], str] = OrderedDict()
+        self._keys: OrderedDict[str, str] = OrderedDict()
         self.parses = 0
 
     def of(self, f: BinaryIO) -> str:
-        st = os.fstat(f.fileno())
-        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        identity = stat_key(os.fstat(f.fileno()))
         key = self._keys.get(identity)
         if key is not None:
             self._keys.move_to_end(identity)
             return key
         self.parses += 1
         build_id = read_build_id(f)
-        key = f"build-id:{build_id}" if build_id else "file:{}:{}:{}:{}".format(*identity)
+        key = f"build-id:{build_id}" if build_id else identity
         self._keys[identity] = key
         if len(self._keys) > self._limit:
             self._keys.popitem(last=False)
