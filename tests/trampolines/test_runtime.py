@@ -53,6 +53,20 @@ def test_semantics_unchanged(interp: Interp) -> None:
     assert traced["results"] == plain["results"]
 
 
+def test_cost_rounds_leave_signals_and_profilers_alone(interp: Interp) -> None:
+    """The runtime keeps measuring its cost per call while the program runs
+    (one round a second, as a pending call): an exception a signal handler
+    raises meanwhile still reaches the program, and a profile function never
+    sees the measurement's calls (no rounds run while one is set)."""
+    out = run_json(interp, interp.script("calibration.py"), env=ON)
+    at_start, running, with_signals, profiled = out["rounds"]
+    assert at_start == 7, out  # at the first activation
+    assert running - at_start >= 2, out  # ~one a second for 3.5 s
+    assert out["raised"] > 200 and out["caught"] == out["raised"], out
+    assert profiled == with_signals, out
+    assert out["profiled_names"] == ["fib"], out
+
+
 def test_chain_matches_python_stack(interp: Interp) -> None:
     """The per-thread chain equals the Python stack in every situation:
     nested, generator, deep recursion, after exceptions, coroutines, async
@@ -156,6 +170,10 @@ def test_descriptor_from_another_process(interp: Interp, started: list) -> None:
     assert d.runtime_version.startswith("tramprof-trampolines ")
     assert -4096 < d.tls_offset < 0
     assert 1 <= len(d.arenas) <= d.arena_capacity
+    # The small read that follows it gives the same generation and duty words.
+    changes = desc.read_changes(pid, d)
+    assert changes.generation == d.generation and changes.duty == desc.read_duty(pid, d.address)
+    assert d.duty is not None and d.duty.call_cost_ps > 0
 
     # Arenas are anonymous r-x mappings; every stub holds the documented code.
     maps = Path(f"/proc/{pid}/maps").read_text().splitlines()

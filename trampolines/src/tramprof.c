@@ -755,6 +755,7 @@ tramprof_assign_stub(PyCodeObject *co)
 }
 
 static void tramprof_duty_start(void);
+static void tramprof_cal_maybe_schedule(void);
 /* 0: no duty-cycle thread yet, 1: running, -1: could not start one. */
 static int tramprof_duty_state;
 
@@ -764,6 +765,8 @@ tramprof_eval(PyThreadState *tstate, tramprof_frame *frame, int throwflag)
 {
     if (tramprof_mode_value == TRAMPROF_MODE_STUBS) {
         tramprof_descriptor.hook_calls++;   /* under the GIL */
+        if (__builtin_expect((tramprof_descriptor.hook_calls & 4095) == 0, 0))
+            tramprof_cal_maybe_schedule();
         if (__builtin_expect(tramprof_duty_state == 0, 0)) {
             uint32_t duty = __atomic_load_n(&tramprof_descriptor.duty_ppm, __ATOMIC_RELAXED);
             if (duty != 0 && duty < TRAMPROF_DUTY_ALWAYS)
@@ -798,17 +801,41 @@ tramprof_clock_ns(clockid_t clock)
     return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
+/* While a round runs, the interpreter's eval-frame function is the round's;
+ * everything else reads and sets the one that counts (tramprof_cal_saved)
+ * through tramprof_get_eval/tramprof_set_eval, and the round puts it back.
+ * (A round can let other threads run: CPython drops the GIL now and then.) */
+static int tramprof_calibrating;
+static _PyFrameEvalFunction tramprof_cal_saved;
+
+static _PyFrameEvalFunction
+tramprof_get_eval(PyInterpreterState *interp)
+{
+    if (tramprof_calibrating && interp == tramprof_interp)
+        return tramprof_cal_saved;
+    return _PyInterpreterState_GetEvalFrameFunc(interp);
+}
+
+static void
+tramprof_set_eval(PyInterpreterState *interp, _PyFrameEvalFunction eval)
+{
+    if (tramprof_calibrating && interp == tramprof_interp)
+        tramprof_cal_saved = eval;
+    else
+        _PyInterpreterState_SetEvalFrameFunc(interp, eval);
+}
+
 /* Hook on or off, with the GIL. Leaves any other eval-frame function alone. */
 static void
 tramprof_duty_switch_locked(int on)
 {
     if (tramprof_mode_value != TRAMPROF_MODE_STUBS || tramprof_interp == NULL)
         return;
-    _PyFrameEvalFunction current = _PyInterpreterState_GetEvalFrameFunc(tramprof_interp);
+    _PyFrameEvalFunction current = tramprof_get_eval(tramprof_interp);
     if (on && tramprof_descriptor.paused) {
         if (current != _PyEval_EvalFrameDefault)
             return;
-        _PyInterpreterState_SetEvalFrameFunc(tramprof_interp, tramprof_eval);
+        tramprof_set_eval(tramprof_interp, tramprof_eval);
         uint64_t since = tramprof_descriptor.paused_since_ns;
         uint64_t now = tramprof_clock_ns(CLOCK_MONOTONIC);
         __atomic_store_n(&tramprof_descriptor.off_ns,
@@ -823,7 +850,7 @@ tramprof_duty_switch_locked(int on)
         __atomic_store_n(&tramprof_descriptor.paused_since_ns,
                          tramprof_clock_ns(CLOCK_MONOTONIC), __ATOMIC_RELEASE);
         __atomic_store_n(&tramprof_descriptor.paused, 1, __ATOMIC_RELEASE);
-        _PyInterpreterState_SetEvalFrameFunc(tramprof_interp, _PyEval_EvalFrameDefault);
+        tramprof_set_eval(tramprof_interp, _PyEval_EvalFrameDefault);
     }
 }
 
@@ -925,56 +952,207 @@ tramprof_duty_stop_locked(void)
     tramprof_duty_switch_locked(1);
 }
 
-/* Extra CPU time of one Python-to-Python call through the hook and a stub,
- * against the default evaluator: best of a few rounds of a short recursion.
- * Only the profiler reads it (to turn its budget into a duty cycle). */
-static void
-tramprof_calibrate(PyInterpreterState *interp)
+/* ------------------------------------------------------------------------
+ * Cost of a call through the hook (ABI.md section 8, call_cost_ps): the extra
+ * CPU time of one Python-to-Python call through the hook and a stub, against
+ * the default evaluator. One round runs a short recursion without the hook,
+ * then a copy of it with the hook. A single round is within about +-25% of
+ * what the same process measures over seconds (shared CPUs: caches,
+ * frequency, neighbours), so the published cost is the median of the last
+ * rounds, and rounds go on while the program runs: one a second until
+ * TRAMPROF_CAL_KEPT were taken, then one a minute (~1 ms each). Later rounds
+ * run as pending calls in the main thread, where an exception that a signal
+ * handler raises meanwhile goes on to the program, as it would have anyway.
+ * ---------------------------------------------------------------------- */
+enum {
+    TRAMPROF_CAL_DEPTH = 12,        /* fib(12): 465 calls, 12 deep, like call-heavy code */
+    TRAMPROF_CAL_FIB_CALLS = 465,
+    TRAMPROF_CAL_REPEAT = 20,       /* recursions per half round (~0.3 ms) */
+    TRAMPROF_CAL_FIRST_ROUNDS = 7,  /* at the first activation */
+    TRAMPROF_CAL_KEPT = 32,         /* rounds the median is taken over */
+};
+#define TRAMPROF_CAL_EARLY_NS 1000000000ULL    /* between rounds, until KEPT rounds */
+#define TRAMPROF_CAL_LATE_NS 60000000000ULL    /* between rounds afterwards */
+static PyObject *tramprof_cal_fn[2];           /* the recursions, off and on (kept) */
+static PyObject *tramprof_cal_depth;
+static int64_t tramprof_cal_costs[TRAMPROF_CAL_KEPT];   /* ps per call, a ring */
+static uint64_t tramprof_cal_rounds;           /* rounds recorded so far */
+static uint64_t tramprof_cal_next_ns;          /* CLOCK_MONOTONIC of the next round */
+static int tramprof_cal_scheduled;             /* a pending call is queued */
+/* With the GIL: the recursions, compiled once. 0, or -1 with an exception.
+ * Two copies of one function: one only ever runs without the hook, the
+ * other only with it, so each stays specialised for its evaluator as a
+ * program's code does. (One function run both ways is de-specialised by
+ * every switch, and measured 25-30% below the cost a program pays.) */
+static int
+tramprof_cal_prepare(void)
 {
-    /* fib(12): 465 calls, at most 12 deep, like call-heavy Python code. */
-    enum { DEPTH = 12, FIB_CALLS = 465, CALLS = 20, ROUNDS = 7 };
+    if (tramprof_cal_fn[0] != NULL)
+        return 0;
     PyObject *globals = PyDict_New();
     PyObject *code = Py_CompileString(
-        "def _tramprof_calibrate(n):\n"
-        "    return n if n < 2 else _tramprof_calibrate(n - 1) + _tramprof_calibrate(n - 2)\n",
+        "def _tramprof_calibrate_off(n):\n"
+        "    return n if n < 2 else _tramprof_calibrate_off(n - 1) + "
+        "_tramprof_calibrate_off(n - 2)\n"
+        "def _tramprof_calibrate_on(n):\n"
+        "    return n if n < 2 else _tramprof_calibrate_on(n - 1) + "
+        "_tramprof_calibrate_on(n - 2)\n",
         "<tramprof calibration>", Py_file_input);
-    PyObject *depth = PyLong_FromLong(DEPTH);
-    uint64_t best[2] = {UINT64_MAX, UINT64_MAX};
+    PyObject *depth = PyLong_FromLong(TRAMPROF_CAL_DEPTH);
+    int rc = -1;
     if (globals != NULL && code != NULL && depth != NULL &&
         PyDict_SetItemString(globals, "__builtins__", PyEval_GetBuiltins()) == 0) {
         PyObject *done = PyEval_EvalCode(code, globals, globals);
-        PyObject *fn = done ? PyDict_GetItemString(globals, "_tramprof_calibrate") : NULL;
+        PyObject *off = done ? PyDict_GetItemString(globals, "_tramprof_calibrate_off") : NULL;
+        PyObject *on = done ? PyDict_GetItemString(globals, "_tramprof_calibrate_on") : NULL;
         Py_XDECREF(done);
-        for (int round = 0; fn != NULL && round < ROUNDS; round++) {
-            for (int on = 0; on < 2; on++) {
-                _PyInterpreterState_SetEvalFrameFunc(
-                    interp, on ? tramprof_eval : _PyEval_EvalFrameDefault);
-                uint64_t began = tramprof_clock_ns(CLOCK_THREAD_CPUTIME_ID);
-                for (int i = 0; i < CALLS; i++) {
-                    PyObject *result = PyObject_CallOneArg(fn, depth);
-                    if (result == NULL) {
-                        fn = NULL;
-                        break;
-                    }
-                    Py_DECREF(result);
-                }
-                uint64_t spent = tramprof_clock_ns(CLOCK_THREAD_CPUTIME_ID) - began;
-                if (spent < best[on])
-                    best[on] = spent;
-                if (fn == NULL)
-                    break;
-            }
+        if (off != NULL && on != NULL) {
+            Py_INCREF(off);
+            Py_INCREF(on);
+            tramprof_cal_fn[0] = off;
+            tramprof_cal_fn[1] = on;
+            tramprof_cal_depth = depth;
+            depth = NULL;
+            rc = 0;
+        } else if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "calibration functions missing");
         }
-        _PyInterpreterState_SetEvalFrameFunc(interp, _PyEval_EvalFrameDefault);
-        if (fn != NULL && best[1] > best[0])
-            tramprof_descriptor.call_cost_ps =
-                (best[1] - best[0]) * 1000ULL / (uint64_t)(CALLS * FIB_CALLS);
     }
-    if (PyErr_Occurred())
-        PyErr_Clear();
     Py_XDECREF(depth);
     Py_XDECREF(code);
     Py_XDECREF(globals);
+    return rc;
+}
+
+/* With the GIL: one round. 0 with the extra ps per call in *cost; 1 when it
+ * could not measure (another eval-frame function was installed meanwhile,
+ * which is then left alone); -1 with an exception set. */
+static int
+tramprof_cal_round(PyInterpreterState *interp, int64_t *cost)
+{
+    uint64_t spent[2] = {0, 0};
+    _PyFrameEvalFunction mine = NULL;
+    int rc = 0;
+    tramprof_cal_saved = _PyInterpreterState_GetEvalFrameFunc(interp);
+    tramprof_calibrating = 1;
+    for (int on = 0; on < 2 && rc == 0; on++) {
+        if (mine != NULL && _PyInterpreterState_GetEvalFrameFunc(interp) != mine) {
+            rc = 1;
+            break;
+        }
+        mine = on ? tramprof_eval : _PyEval_EvalFrameDefault;
+        _PyInterpreterState_SetEvalFrameFunc(interp, mine);
+        uint64_t calls = tramprof_descriptor.hook_calls;
+        uint64_t began = tramprof_clock_ns(CLOCK_THREAD_CPUTIME_ID);
+        for (int i = 0; i < TRAMPROF_CAL_REPEAT && rc == 0; i++) {
+            PyObject *result = PyObject_CallOneArg(tramprof_cal_fn[on], tramprof_cal_depth);
+            if (result == NULL)
+                rc = -1;
+            Py_XDECREF(result);
+        }
+        spent[on] = tramprof_clock_ns(CLOCK_THREAD_CPUTIME_ID) - began;
+        if (on && rc == 0 && tramprof_descriptor.hook_calls >= calls + (uint64_t)(
+                TRAMPROF_CAL_REPEAT * TRAMPROF_CAL_FIB_CALLS))
+            /* hook_calls counts the program's calls, not these */
+            tramprof_descriptor.hook_calls -= TRAMPROF_CAL_REPEAT * TRAMPROF_CAL_FIB_CALLS;
+    }
+    tramprof_calibrating = 0;
+    if (_PyInterpreterState_GetEvalFrameFunc(interp) == mine)
+        _PyInterpreterState_SetEvalFrameFunc(interp, tramprof_cal_saved);
+    else if (rc == 0)
+        rc = 1;
+    if (rc == 0)
+        *cost = ((int64_t)spent[1] - (int64_t)spent[0]) * 1000 /
+                (TRAMPROF_CAL_REPEAT * TRAMPROF_CAL_FIB_CALLS);
+    return rc;
+}
+
+/* Keeps a round's cost and publishes the median of the kept ones. */
+static void
+tramprof_cal_record(int64_t cost)
+{
+    tramprof_cal_costs[tramprof_cal_rounds % TRAMPROF_CAL_KEPT] = cost;
+    tramprof_cal_rounds++;
+    unsigned n = tramprof_cal_rounds < TRAMPROF_CAL_KEPT
+        ? (unsigned)tramprof_cal_rounds : TRAMPROF_CAL_KEPT;
+    int64_t sorted[TRAMPROF_CAL_KEPT];
+    for (unsigned i = 0; i < n; i++) {
+        unsigned j = i;
+        for (; j > 0 && sorted[j - 1] > tramprof_cal_costs[i]; j--)
+            sorted[j] = sorted[j - 1];
+        sorted[j] = tramprof_cal_costs[i];
+    }
+    int64_t median = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+    if (median > 0)
+        __atomic_store_n(&tramprof_descriptor.call_cost_ps, (uint64_t)median, __ATOMIC_RELAXED);
+}
+
+/* Drops the exception a round's own calls can raise (the program may be
+ * near its recursion limit, or out of memory); 1 if it was one of those. */
+static int
+tramprof_cal_own_error(void)
+{
+    if (PyErr_ExceptionMatches(PyExc_RecursionError) ||
+        PyErr_ExceptionMatches(PyExc_MemoryError)) {
+        PyErr_Clear();
+        return 1;
+    }
+    return 0;
+}
+
+/* At the first activation, with the GIL and the default evaluator. */
+static void
+tramprof_calibrate(PyInterpreterState *interp)
+{
+    if (tramprof_cal_prepare() == 0) {
+        for (int round = 0; round < TRAMPROF_CAL_FIRST_ROUNDS; round++) {
+            int64_t cost;
+            int rc = tramprof_cal_round(interp, &cost);
+            if (rc != 0)
+                break;
+            tramprof_cal_record(cost);
+        }
+    }
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    tramprof_cal_next_ns = tramprof_clock_ns(CLOCK_MONOTONIC) + TRAMPROF_CAL_EARLY_NS;
+}
+
+/* A later round, as a pending call (main thread, GIL, no exception set). */
+static int
+tramprof_cal_pending(void *arg)
+{
+    (void)arg;
+    tramprof_cal_scheduled = 0;
+    PyThreadState *tstate = PyThreadState_Get();
+    PyInterpreterState *interp = tstate->interp;
+    if (tramprof_mode_value != TRAMPROF_MODE_STUBS || interp != tramprof_interp ||
+        tramprof_cal_fn[0] == NULL || tramprof_calibrating ||
+        tstate->c_tracefunc != NULL || tstate->c_profilefunc != NULL ||
+        _PyInterpreterState_GetEvalFrameFunc(interp) != tramprof_eval)
+        return 0;   /* not now (paused, traced, replaced): at the next chance */
+    int64_t cost;
+    int rc = tramprof_cal_round(interp, &cost);
+    if (rc == 0)
+        tramprof_cal_record(cost);
+    else if (rc < 0 && !tramprof_cal_own_error())
+        return -1;  /* e.g. KeyboardInterrupt: the program's, raised where it runs */
+    return 0;
+}
+
+/* From the hook, every 4096 calls: queues a round when one is due. */
+static void
+tramprof_cal_maybe_schedule(void)
+{
+    if (tramprof_cal_scheduled || tramprof_calibrating || tramprof_cal_fn[0] == NULL)
+        return;
+    uint64_t now = tramprof_clock_ns(CLOCK_MONOTONIC);
+    if (now < tramprof_cal_next_ns)
+        return;
+    tramprof_cal_next_ns = now + (tramprof_cal_rounds < TRAMPROF_CAL_KEPT
+                                  ? TRAMPROF_CAL_EARLY_NS : TRAMPROF_CAL_LATE_NS);
+    if (Py_AddPendingCall(tramprof_cal_pending, NULL) == 0)
+        tramprof_cal_scheduled = 1;
 }
 
 /* ------------------------------------------------------------------------
@@ -1000,7 +1178,7 @@ tramprof_activate_locked(int mode, int jitdump, char *err, size_t errlen)
     }
 #endif
     PyInterpreterState *interp = PyThreadState_Get()->interp;
-    _PyFrameEvalFunction current = _PyInterpreterState_GetEvalFrameFunc(interp);
+    _PyFrameEvalFunction current = tramprof_get_eval(interp);
     if (tramprof_mode_value == mode && tramprof_descriptor.paused && interp == tramprof_interp)
         return 0;   /* active, the duty cycle has the hook off for now */
     if (current == tramprof_eval) {
@@ -1060,7 +1238,7 @@ tramprof_activate_locked(int mode, int jitdump, char *err, size_t errlen)
     tramprof_bump_generation();
     if (mode == TRAMPROF_MODE_STUBS && tramprof_descriptor.call_cost_ps == 0)
         tramprof_calibrate(interp);
-    _PyInterpreterState_SetEvalFrameFunc(interp, tramprof_eval);
+    tramprof_set_eval(interp, tramprof_eval);
     return 0;
 }
 
@@ -1080,9 +1258,9 @@ tramprof_deactivate(char *err, size_t errlen)
     PyGILState_STATE gil = PyGILState_Ensure();
     PyInterpreterState *interp = PyThreadState_Get()->interp;
     tramprof_duty_stop_locked();
-    _PyFrameEvalFunction current = _PyInterpreterState_GetEvalFrameFunc(interp);
+    _PyFrameEvalFunction current = tramprof_get_eval(interp);
     if (current == tramprof_eval) {
-        _PyInterpreterState_SetEvalFrameFunc(interp, _PyEval_EvalFrameDefault);
+        tramprof_set_eval(interp, _PyEval_EvalFrameDefault);
         if (tramprof_descriptor.state == 1)
             __atomic_store_n(&tramprof_descriptor.state, 2, __ATOMIC_RELEASE);
         tramprof_bump_generation();
@@ -1103,7 +1281,7 @@ tramprof_is_active(void)
 {
     PyGILState_STATE gil = PyGILState_Ensure();
     int active = tramprof_mode_value != 0 && tramprof_interp != NULL &&
-        (_PyInterpreterState_GetEvalFrameFunc(tramprof_interp) == tramprof_eval ||
+        (tramprof_get_eval(tramprof_interp) == tramprof_eval ||
          tramprof_descriptor.paused);
     PyGILState_Release(gil);
     return active;
@@ -1141,12 +1319,20 @@ tramprof_after_fork_child(char *err, size_t errlen)
     __atomic_store_n(&tramprof_descriptor.duty_ppm, TRAMPROF_DUTY_ALWAYS, __ATOMIC_RELAXED);
     __atomic_store_n(&tramprof_descriptor.hook_calls, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&tramprof_descriptor.off_ns, 0, __ATOMIC_RELAXED);
+    tramprof_cal_scheduled = 0;
     if (tramprof_descriptor.state != 0 || tramprof_mode_value != 0) {
         tramprof_descriptor.pid = (uint32_t)getpid();
         tramprof_bump_generation();
     }
     PyGILState_Release(gil);
     return 0;
+}
+
+/* Measurement rounds of call_cost_ps taken so far (for tests). */
+uint64_t
+tramprof_calibration_rounds(void)
+{
+    return __atomic_load_n(&tramprof_cal_rounds, __ATOMIC_RELAXED);
 }
 
 /* Stub addresses on the current thread's chain, innermost first. */

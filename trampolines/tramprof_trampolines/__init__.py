@@ -140,3 +140,8 @@ def _debug_chain(limit: int = 4096) -> List[int]:
     out = ffi.new("uint64_t[]", limit)
     n = lib.tramprof_debug_chain(out, limit)
     return [out[i] for i in range(n)]
+
+
+def _debug_calibration_rounds() -> int:
+    """Rounds the runtime has measured its cost per call in (ABI.md section 8)."""
+    return int(lib.tramprof_calibration_rounds())
