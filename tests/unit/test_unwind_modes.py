@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,13 @@ from tramprof.sampler.maps import MapFull, ProcessMaps
 from tramprof.unwind import chain as chain_module
 from tramprof.unwind.arenas import Arenas
 from tramprof.unwind.chain import ChainMode
-from tramprof.unwind.descriptor import Descriptor, DescriptorError
+from tramprof.unwind.descriptor import (
+    DUTY_ALWAYS,
+    Changes,
+    Descriptor,
+    DescriptorError,
+    DutyState,
+)
 from tramprof.unwind.mode import (
     FP,
     NEWCOMER_LIMIT,
@@ -150,6 +157,21 @@ def descriptor(active: bool, arenas: list[tuple[int, int]], generation: int = 1,
         arenas=Arenas(arenas))
 
 
+def publish(monkeypatch, published: list[Descriptor]) -> list[int]:
+    """The process's descriptor is ``published[-1]``; returns the pids whose
+    whole descriptor was read."""
+    reads: list[int] = []
+
+    def read(pid, root, locator=None):
+        reads.append(pid)
+        return published[-1]
+
+    monkeypatch.setattr(chain_module, "read_descriptor", read)
+    monkeypatch.setattr(chain_module, "read_changes", lambda pid, known, root: Changes(
+        published[-1].generation, published[-1].duty))
+    return reads
+
+
 @pytest.fixture
 def runtime_mappings(tmp_path):
     proc = fake_proc(tmp_path, [ARENA], [ARENA], [ARENA])
@@ -163,8 +185,7 @@ def runtime_mappings(tmp_path):
 def test_chain_mode_installs_once_active_and_grows_with_the_descriptor(runtime_mappings,
                                                                        monkeypatch):
     published = [descriptor(False, [])]
-    monkeypatch.setattr(chain_module, "read_descriptor",
-                        lambda pid, root, locator=None: published[-1])
+    publish(monkeypatch, published)
     maps = RecordingMaps()
     chain = ChainMode(maps, str(runtime_mappings))
     chain.consider(PID, mappings(runtime_mappings))
@@ -185,6 +206,26 @@ def test_chain_mode_installs_once_active_and_grows_with_the_descriptor(runtime_m
                                                     (ARENA + 0x20000, ARENA + 0x30000)}
     chain.refresh(set())
     assert not maps.state
+
+
+def test_chain_mode_reads_the_whole_descriptor_only_when_its_generation_moves(
+        runtime_mappings, monkeypatch):
+    duty = DutyState(duty_ppm=DUTY_ALWAYS, paused=False, hook_calls=10, off_ns=0,
+                     paused_since_ns=0, call_cost_ps=20000)
+    published = [replace(descriptor(True, [(ARENA, ARENA + 0x1000)], abi=2), duty=duty)]
+    reads = publish(monkeypatch, published)
+    chain = ChainMode(RecordingMaps(), str(runtime_mappings))
+    seen: list[DutyState | None] = []
+    monkeypatch.setattr(chain.duty, "update", lambda pid, state=None: seen.append(state))
+    chain.consider(PID, mappings(runtime_mappings))
+    later = replace(duty, hook_calls=99)
+    published.append(replace(published[-1], duty=later))  # same generation
+    chain.refresh({PID})
+    assert reads == [PID] and seen == [later]
+    published.append(replace(published[-1], generation=2, arenas=Arenas(
+        [(ARENA, ARENA + 0x1000), (ARENA + 0x4000, ARENA + 0x5000)])))
+    chain.refresh({PID})
+    assert reads == [PID, PID] and ARENA + 0x4000 in chain.arenas(PID)
 
 
 def test_chain_mode_counts_unreadable_and_unsupported_descriptors(runtime_mappings,
@@ -210,8 +251,7 @@ def test_chain_mode_counts_unreadable_and_unsupported_descriptors(runtime_mappin
 def test_registry_prefers_chain_and_scan_lets_go(runtime_mappings, monkeypatch):
     """A -X perf process that activates our runtime moves from scan to chain."""
     published = [descriptor(False, [])]
-    monkeypatch.setattr(chain_module, "read_descriptor",
-                        lambda pid, root, locator=None: published[-1])
+    publish(monkeypatch, published)
     maps = RecordingMaps()
     modes = UnwindModes([ChainMode(maps, str(runtime_mappings)),
                          ScanMode(maps, str(runtime_mappings))])
@@ -240,6 +280,7 @@ def test_a_new_runtime_is_followed_between_refreshes_while_it_is_young(
         reads.append(pid)
         return published[-1]
 
+    publish(monkeypatch, published)
     monkeypatch.setattr(chain_module, "read_descriptor", read)
     clock = [1000.0]
     maps = RecordingMaps()

@@ -26,6 +26,8 @@ from tramprof.unwind.descriptor import (
     Descriptor,
     DescriptorError,
     DescriptorLocator,
+    DutyState,
+    read_changes,
     read_descriptor,
 )
 from tramprof.unwind.duty import DutyCycle
@@ -104,8 +106,7 @@ class ChainMode:
             if pid not in live:
                 self.forget(pid)
             else:
-                self._update(pid)
-                self.duty.update(pid)
+                self.duty.update(pid, self._update(pid))
 
     def follow(self, live: set[int]) -> None:
         for pid in self._newcomers.due(live, self._candidates):
@@ -137,19 +138,24 @@ class ChainMode:
                 self._maps.remove(pid, WALKER)
             self._candidates.discard(pid)
 
-    def _update(self, pid: int) -> None:
+    def _update(self, pid: int) -> DutyState | None:
+        """Follow a change of the process's descriptor; its duty words, if read."""
+        known = self._procs.get(pid)
         try:
+            if known is not None:
+                changes = read_changes(pid, known.descriptor, self._proc_root)
+                if changes.generation == known.generation:
+                    return changes.duty
             d = read_descriptor(pid, self._proc_root, self._locator)
         except DescriptorError as exc:  # the process vanished, or lies
             self._fail(pid, "descriptor_unreadable", str(exc), drop=False)
-            return
-        known = self._procs.get(pid)
+            return None
         if known is not None and known.generation == d.generation:
-            return
+            return d.duty
         why = _unsupported(d)
         if why:
             self._fail(pid, "unsupported_runtime", why, drop=True)
-            return
+            return None
         # Stubs stay on stacks after deactivate(): keep walking what exists.
         active = d.active or (known is not None and known.active)
         if active:
@@ -162,12 +168,13 @@ class ChainMode:
                 self._maps.install(pid, WALKER, record, d.arenas)
             except MapFull as exc:
                 self._fail(pid, "map_full", str(exc), drop=True)
-                return
+                return None
         self._last_error.pop(pid, None)
         if d.duty is not None and active:
             self.duty.track(pid, d.address)
         self._procs[pid] = ChainProcess(generation=d.generation, arenas=d.arenas,
                                         active=active, descriptor=d)
+        return d.duty
 
     def report(self, pid: int) -> ModeReport | None:
         proc = self._procs.get(pid)

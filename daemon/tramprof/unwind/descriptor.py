@@ -117,6 +117,34 @@ def read_duty(pid: int, address: int, proc_root: str = "/proc") -> DutyState:
     return _duty(dict(zip(DUTY_FIELDS, _DUTY.unpack(raw), strict=True)))
 
 
+#: The generation word and, in ABI 2, everything up to the end of the duty words.
+_GENERATION_OFFSET = 80
+_GENERATION = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What one small read says about a descriptor read before."""
+
+    generation: int
+    duty: DutyState | None     # ABI 2 and later
+
+
+def read_changes(pid: int, known: Descriptor, proc_root: str = "/proc") -> Changes:
+    """The generation and duty words of a descriptor already read, in one read:
+    unless the generation moved, nothing else needs reading (once a second for
+    every Python process on a node, this is most of what is read)."""
+    end = DESCRIPTOR_SIZE if known.duty is not None else _GENERATION_OFFSET + _GENERATION.size
+    raw = _read_mem(pid, known.address + _GENERATION_OFFSET, end - _GENERATION_OFFSET,
+                    proc_root)
+    (generation,) = _GENERATION.unpack_from(raw)
+    duty = None
+    if known.duty is not None:
+        duty = _duty(dict(zip(DUTY_FIELDS, _DUTY.unpack_from(
+            raw, DESCRIPTOR_SIZE_V1 - _GENERATION_OFFSET), strict=True)))
+    return Changes(generation, duty)
+
+
 def _duty(values: dict[str, int]) -> DutyState:
     return DutyState(duty_ppm=values["duty_ppm"], paused=bool(values["paused"]),
                      hook_calls=values["hook_calls"], off_ns=values["off_ns"],
@@ -273,7 +301,8 @@ def _read_at(pid: int, address: int, path: str, proc_root: str) -> Descriptor:
                 raise DescriptorError(f"process {pid}'s arena table: {exc}") from exc
         # The writer publishes an arena entry before the count and bumps the
         # generation afterwards: re-read it to get a consistent snapshot.
-        (generation,) = struct.unpack("<Q", _read_mem(pid, address + 80, 8, proc_root))
+        (generation,) = _GENERATION.unpack(
+            _read_mem(pid, address + _GENERATION_OFFSET, _GENERATION.size, proc_root))
         if generation == values["generation"]:
             break
     return Descriptor(

@@ -102,16 +102,18 @@ class DutyCycle:
     def get(self, pid: int) -> DutyProcess | None:
         return self._procs.get(pid)
 
-    def update(self, pid: int) -> None:
-        """One step for ``pid`` (once per drain): measure, then set its duty."""
+    def update(self, pid: int, state: DutyState | None = None) -> None:
+        """One step for ``pid`` (once per refresh): measure, then set its duty.
+        ``state``: its duty words if they were just read."""
         proc = self._procs.get(pid)
         if proc is None:
             return
-        try:
-            state = read_duty(pid, proc.address, self._proc_root)
-        except DescriptorError as exc:
-            log.debug("pid %d: cannot read its duty-cycle words: %s", pid, exc)
-            return
+        if state is None:
+            try:
+                state = read_duty(pid, proc.address, self._proc_root)
+            except DescriptorError as exc:
+                log.debug("pid %d: cannot read its duty-cycle words: %s", pid, exc)
+                return
         now = self._clock()
         try:
             cpu = read_stat(pid, self._proc_root).cpu_ticks / CLOCK_TICKS
