@@ -9,6 +9,7 @@ import ctypes
 import json
 import os
 import struct
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,7 +22,7 @@ from tramprof.sampler.image import ImageError, load_image
 
 from tests.bpf.test_compiler import ALL_MAPS, PERF_EVENT
 from tests.bpf.test_privileges_root import CHAIN
-from tests.conftest import requires_root
+from tests.conftest import TRAMPROF, requires_root
 
 pytestmark = requires_root
 
@@ -133,3 +134,32 @@ def test_the_daemon_starts_from_its_cache_and_profiles_the_same(
     assert third[0] == "compiler" and third[1] >= 0.95, third
     fourth = profile_chain(target.proc.pid, cache)
     assert fourth[0] == "cache" and fourth[1] >= 0.95, fourth
+
+
+def prepare(cache: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([TRAMPROF, "prepare", "--log-level", "info"], capture_output=True,
+                          text=True, timeout=600,
+                          env={**os.environ, "TRAMPROF_PROGRAM_CACHE_DIR": str(cache)})
+
+
+def test_prepare_fills_the_cache_the_daemon_starts_from(targets, start_target, tmp_path):
+    """``tramprof prepare`` (an init container's job) compiles into the cache
+    and exits; the daemon then starts from it; a second prepare only loads
+    it; a cache it may not write is a warning, not a failure."""
+    cache = tmp_path / "cache"
+    first = prepare(cache)
+    assert first.returncode == 0 and "ready (compiled now)" in first.stderr, first.stderr
+    (stored,) = cache.iterdir()
+    target = start_target(str(targets / "chain"), "60")
+    origin, exact, total = profile_chain(target.proc.pid, cache)
+    assert origin == "cache" and exact >= 0.95 and total >= 500, (origin, exact, total)
+    again = prepare(cache)
+    assert again.returncode == 0 and "held the program already" in again.stderr, again.stderr
+    assert "compiled and loaded" not in again.stderr and list(cache.iterdir()) == [stored]
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # anyone could plant an image here: never used
+    refused = prepare(shared)
+    assert refused.returncode == 0, refused.stderr
+    assert "could not be kept" in refused.stderr and not list(shared.iterdir()), refused.stderr

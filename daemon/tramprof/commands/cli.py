@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pids(run)
     run.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
 
+    prepare = sub.add_parser("prepare", help="compile the BPF program into the program "
+                             "cache (program_cache_dir) and exit, e.g. as an init container: "
+                             "the daemon then starts from the cache")
+    _complete_files(prepare.add_argument("--config", metavar="FILE",
+                                         help="TOML configuration file (the daemon's)"))
+
     record = sub.add_parser("record", help="profile for a while, or a command until it "
                             "exits, and print the stacks",
                             usage="%(prog)s [options] [--pid PID ... | --all]\n"
@@ -181,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
             overrides = _flag_overrides(args)
             return run_daemon(config, reload=lambda: load(args.config, overrides=overrides),
                               run_as=config.run_as_ids())
+        if args.command == "prepare":
+            config = load(args.config)
+            _setup_logging(args, config.log_level)
+            from tramprof.commands.prepare import prepare
+
+            return prepare(config)
         if args.command == "record":
             _setup_logging(args, args.log_level or "warning")
             if args.argv and (args.pids or args.all):

@@ -188,11 +188,18 @@ class Sampler:
         self._tables: UnwindTableMaps | None = None
         self._chunk_maker: ChunkMaker | None = None
         self._loaded_from = ""
+        self._cached = False
 
     @property
     def loaded_from(self) -> str:
         """Where the program came from: "cache", "compiler" or "" (not loaded)."""
         return self._loaded_from
+
+    @property
+    def cached(self) -> bool:
+        """The loaded program's image is in the program cache (it came from
+        there, or was stored there after compiling)."""
+        return self._cached
 
     def load(self) -> None:
         """Compile and load the program without attaching it (nothing is
@@ -247,6 +254,7 @@ class Sampler:
                 log.info("BPF program loaded from the cache (%s) in %.2f s", key[:12],
                          time.monotonic() - started)
                 self._loaded_from = "cache"
+                self._cached = True
                 return program
         started = time.monotonic()
         try:
@@ -268,6 +276,7 @@ class Sampler:
                 log.warning("the compiled program cannot be cached: %s", compiled.image_problem)
             elif cache.store(key, compiled.image):
                 log.info("compiled program kept in %s for the next start", cache.directory)
+                self._cached = True
         return compiled.program
 
     def _open_new_process_events(self) -> None:
