@@ -114,10 +114,22 @@ def _k8s(name: str, kind: str) -> dict:
     return doc
 
 
-def daemonset_capabilities() -> list[str]:
+DAEMON = "tramprof"
+PREPARE = "prepare"  # the init container that fills the program cache
+
+
+def pod_container(name: str = DAEMON) -> dict:
+    """The DaemonSet's container (or init container) ``name``."""
+    pod = _k8s("daemonset.yaml", "DaemonSet")["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == [DAEMON], pod["containers"]
+    (container,) = [c for c in (*pod["containers"], *pod.get("initContainers", ()))
+                    if c["name"] == name]
+    return container
+
+
+def daemonset_capabilities(name: str = DAEMON) -> list[str]:
     """The capabilities the DaemonSet adds, in its order (after drop: ALL)."""
-    (container,) = _k8s("daemonset.yaml", "DaemonSet")["spec"]["template"]["spec"]["containers"]
-    caps = container["securityContext"]["capabilities"]
+    caps = pod_container(name)["securityContext"]["capabilities"]
     assert caps["drop"] == ["ALL"], caps
     return ["CAP_" + name for name in caps["add"]]
 
@@ -134,12 +146,12 @@ def _cpus(quantity: str) -> str:
 
 
 def podman_run_options(config_dir: Path, seccomp: Path | None,
-                       without: str | None = None) -> list[str]:
+                       without: str | None = None, name: str = DAEMON) -> list[str]:
     """``podman run`` options for everything the DaemonSet's pod spec sets
-    that a single container can have; fails on a setting it does not know,
-    so a change to the manifest is either mirrored here or noticed."""
+    that a single container (``name``) can have; fails on a setting it does
+    not know, so a change to the manifest is either mirrored here or noticed."""
     pod = _k8s("daemonset.yaml", "DaemonSet")["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
+    container = pod_container(name)
     sc = container["securityContext"]
     pod_sc = pod.get("securityContext", {})
     assert set(sc) | set(pod_sc) <= MIRRORED_SECURITY, set(sc) | set(pod_sc)
@@ -156,7 +168,7 @@ def podman_run_options(config_dir: Path, seccomp: Path | None,
     gid = sc.get("runAsGroup", pod_sc.get("runAsGroup", uid))
     options.append(f"--user={uid}:{gid}")
     assert not (sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) and uid == 0)
-    caps = [c for c in daemonset_capabilities() if c != without]
+    caps = [c for c in daemonset_capabilities(name) if c != without]
     options += ["--cap-drop=all", "--cap-add=" + ",".join(caps)]
     if sc.get("allowPrivilegeEscalation") is False:
         options.append("--security-opt=no-new-privileges")
@@ -198,9 +210,8 @@ def podman_run_options(config_dir: Path, seccomp: Path | None,
     return options
 
 
-def daemonset_args() -> list[str]:
-    (container,) = _k8s("daemonset.yaml", "DaemonSet")["spec"]["template"]["spec"]["containers"]
-    return list(container["args"])
+def daemonset_args(name: str = DAEMON) -> list[str]:
+    return list(pod_container(name)["args"])
 
 
 def write_config(directory: Path) -> Path:
@@ -562,11 +573,25 @@ def test_image_profiles_the_host_as_the_daemonset_runs_it(setup, targets, start_
     target = start_target(str(binary), "300")
     container_name = f"tramprof-test-{os.getpid()}"
     try:
+        # The init container first, as the kubelet runs it: it fills the
+        # node's program cache (or finds it filled by an earlier run).
+        began = time.monotonic()
+        prepare = subprocess.run(
+            ["podman", "run", "--rm", "--name", f"{container_name}-{PREPARE}",
+             *setup.built.engine.options,
+             *podman_run_options(setup.config, setup.seccomp, name=PREPARE),
+             setup.built.image, *daemonset_args(PREPARE)],
+            capture_output=True, text=True, timeout=START_TIMEOUT)
+        output = prepare.stdout + prepare.stderr
+        print(f"init container done in {time.monotonic() - began:.1f} s")
+        assert prepare.returncode == 0, output[-3000:]
+        assert "the program cache in /var/cache/tramprof is ready" in output, output[-3000:]
         # The daemon is the container's init (the image's ENTRYPOINT).
         container = Container(setup.built, podman_run_options(setup.config, setup.seccomp),
                               container_name)
         startup = container.wait_healthy()
         print(f"container healthy {startup:.1f} s after podman run")
+        assert "BPF program loaded from the cache" in container.logs(), container.logs()[-3000:]
         # Wait for two drains with the target in them.
         deadline = time.monotonic() + 60
         stacks: dict[str, float] = {}
@@ -614,8 +639,9 @@ def test_image_profiles_the_host_as_the_daemonset_runs_it(setup, targets, start_
         print(f"stopped in {time.monotonic() - began:.1f} s")
         assert "stopped" in container.logs().splitlines()[-1]
     finally:
-        subprocess.run(["podman", "rm", "--force", "--time", "5", container_name],
-                       capture_output=True, timeout=60)
+        for name in (container_name, f"{container_name}-{PREPARE}"):
+            subprocess.run(["podman", "rm", "--force", "--time", "5", name],
+                           capture_output=True, timeout=60)
         target.stop()
 
 

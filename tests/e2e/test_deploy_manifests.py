@@ -336,6 +336,25 @@ def test_daemonset_least_privilege() -> None:
     assert requests["memory"] == "256Mi" and limits["memory"] == "512Mi"
 
 
+def test_init_container_fills_the_program_cache_with_less() -> None:
+    """The init container compiles into the cache the daemon reads, with the
+    daemon's image and configuration, and only what loading a program needs."""
+    pod = daemonset()["spec"]["template"]["spec"]
+    (daemon,) = pod["containers"]
+    (init,) = pod["initContainers"]
+    assert init["image"] == daemon["image"]
+    assert init["args"] == ["prepare", "--config", "/etc/tramprof/tramprof.toml"]
+    sc = init["securityContext"]
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"]["drop"] == ["ALL"]
+    assert {"CAP_" + c for c in sc["capabilities"]["add"]} == {"CAP_BPF", "CAP_PERFMON"}
+    mounts = {m["mountPath"]: m for m in init["volumeMounts"]}
+    daemon_mounts = {m["mountPath"]: m for m in daemon["volumeMounts"]}
+    assert mounts == daemon_mounts
+    assert mounts[Config().program_cache_dir]["name"] == "program-cache"
+    assert init["resources"]["limits"]["memory"] == "384Mi"
+
+
 def test_checkov_finds_nothing_unjustified() -> None:
     checkov = need("checkov", "make test-tools: pip install checkov in its own venv")
     proc = subprocess.run([checkov, "-d", str(K8S), "--skip-download",
