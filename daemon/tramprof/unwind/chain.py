@@ -105,8 +105,8 @@ class ChainMode:
         for pid in list(self._candidates):
             if pid not in live:
                 self.forget(pid)
-            else:
-                self.duty.update(pid, self._update(pid))
+            elif (duty := self._update(pid)) is not None:
+                self.duty.update(pid, duty)
 
     def follow(self, live: set[int]) -> None:
         for pid in self._newcomers.due(live, self._candidates):

@@ -113,8 +113,7 @@ class DutyState:
 
 def read_duty(pid: int, address: int, proc_root: str = "/proc") -> DutyState:
     """The duty-cycle words alone (one small read per drain)."""
-    raw = _read_mem(pid, address + DESCRIPTOR_SIZE_V1, _DUTY.size, proc_root)
-    return _duty(dict(zip(DUTY_FIELDS, _DUTY.unpack(raw), strict=True)))
+    return _duty(_read_mem(pid, address + DESCRIPTOR_SIZE_V1, _DUTY.size, proc_root))
 
 
 #: The generation word and, in ABI 2, everything up to the end of the duty words.
@@ -138,14 +137,14 @@ def read_changes(pid: int, known: Descriptor, proc_root: str = "/proc") -> Chang
     raw = _read_mem(pid, known.address + _GENERATION_OFFSET, end - _GENERATION_OFFSET,
                     proc_root)
     (generation,) = _GENERATION.unpack_from(raw)
-    duty = None
-    if known.duty is not None:
-        duty = _duty(dict(zip(DUTY_FIELDS, _DUTY.unpack_from(
-            raw, DESCRIPTOR_SIZE_V1 - _GENERATION_OFFSET), strict=True)))
+    duty = _duty(raw, DESCRIPTOR_SIZE_V1 - _GENERATION_OFFSET) if known.duty is not None \
+        else None
     return Changes(generation, duty)
 
 
-def _duty(values: dict[str, int]) -> DutyState:
+def _duty(raw: bytes, offset: int = 0) -> DutyState:
+    """The duty-cycle words at ``offset`` of ``raw``."""
+    values = dict(zip(DUTY_FIELDS, _DUTY.unpack_from(raw, offset), strict=True))
     return DutyState(duty_ppm=values["duty_ppm"], paused=bool(values["paused"]),
                      hook_calls=values["hook_calls"], off_ns=values["off_ns"],
                      paused_since_ns=values["paused_since_ns"],

@@ -29,9 +29,7 @@ from tramprof.procfs.memory import MemoryReadError, write_memory
 from tramprof.unwind.descriptor import (
     DUTY_ALWAYS,
     DUTY_PPM_OFFSET,
-    DescriptorError,
     DutyState,
-    read_duty,
 )
 
 log = logging.getLogger(__name__)
@@ -102,18 +100,13 @@ class DutyCycle:
     def get(self, pid: int) -> DutyProcess | None:
         return self._procs.get(pid)
 
-    def update(self, pid: int, state: DutyState | None = None) -> None:
+    def update(self, pid: int, state: DutyState) -> None:
         """One step for ``pid`` (once per refresh): measure, then set its duty.
-        ``state``: its duty words if they were just read."""
+        ``state``: its duty words, just read with its descriptor's generation
+        (the chain mode's one read per process)."""
         proc = self._procs.get(pid)
         if proc is None:
             return
-        if state is None:
-            try:
-                state = read_duty(pid, proc.address, self._proc_root)
-            except DescriptorError as exc:
-                log.debug("pid %d: cannot read its duty-cycle words: %s", pid, exc)
-                return
         now = self._clock()
         try:
             cpu = read_stat(pid, self._proc_root).cpu_ticks / CLOCK_TICKS
