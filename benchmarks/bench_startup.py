@@ -32,7 +32,12 @@ variant (median over rounds, worst in brackets):
   reclaim it, unlike file pages, so it is what a memory limit must cover);
 * VmHWM of the daemon and of the compiler child (exact, not sampled);
 * after ``--steady`` seconds: the daemon's VmRSS (RssAnon) and the whole
-  tree's (the chunk maker child lives on). This one depends on what else
+  tree's (the chunk maker child lives on).
+
+Also, each round, ``tramprof prepare`` as the DaemonSet's init container
+runs it: into an empty cache (it compiles: the peak the init container
+carries instead of the daemon's) and into the filled one (it only loads the
+image): time until it exits, the same peaks. This one depends on what else
   runs on the machine (the daemon profiles every process); start-up figures
   are taken until a second after the first healthy ``/healthz``.
 
@@ -273,6 +278,26 @@ def watch_startup(proc: subprocess.Popen[bytes], port: int, began: float,
     return watcher.run_data
 
 
+def prepare_run(config: str) -> Run:
+    """``tramprof prepare --config``: its tree's memory until it exits."""
+    began = time.monotonic()
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, "", "prepare",
+                                 "--config", config], stdout=subprocess.DEVNULL, stderr=log)
+        watcher = TreeWatcher(proc.pid, 0.005)
+        watcher.start()
+        try:
+            exit_status = proc.wait(timeout=600)
+        finally:
+            watcher.stopping.set()
+            watcher.join()
+        if exit_status != 0:
+            log.seek(0)
+            raise RuntimeError(f"tramprof prepare failed ({exit_status}):\n{log.read()[-3000:]}")
+    watcher.run_data.startup = time.monotonic() - began
+    return watcher.run_data
+
+
 def mib(kib: float) -> str:
     return f"{kib / MiB:.0f}"
 
@@ -322,6 +347,29 @@ def main() -> None:
         warm = one_run(variants["cached"], 1)
         print(f"  filling the cache: healthy in {warm.startup:.2f} s", flush=True)
         compare(variants, revision, args.rounds, args.steady)
+        prepare(folder, args.rounds)
+
+
+def prepare(folder: str, rounds: int) -> None:
+    """The init container's command, compiling and on a cache hit."""
+    runs: dict[str, list[Run]] = {"prepare, empty cache": [], "prepare, cache hit": []}
+    for r in range(rounds):
+        config = Path(folder) / f"prepare-{r}.toml"
+        config.write_text(f'program_cache_dir = "{folder}/prepare-{r}"\n')
+        for name in runs:
+            run = prepare_run(str(config))
+            runs[name].append(run)
+            print(f"  round {r + 1} {name}: exited after {run.startup:.2f} s, peak tree "
+                  f"{mib(run.peak_rss)} MiB (anon {mib(run.peak_anon)})", flush=True)
+    for name, results in runs.items():
+        worst = max(results, key=lambda r: r.peak_rss)
+        parts = ", ".join(f"{role} {mib(kib)}" for role, kib in sorted(worst.peak_parts.items()))
+        print(f"{name}:")
+        print(f"  until it exits: {median([r.startup for r in results]):.2f} s "
+              f"[{max(r.startup for r in results):.2f}]")
+        print(f"  peak tree RSS:  {median([r.peak_rss / MiB for r in results]):.0f} MiB "
+              f"(at the worst instant: {parts})")
+        print(f"  peak tree anon: {median([r.peak_anon / MiB for r in results]):.0f} MiB")
 
 
 def compare(variants: dict[str, Variant], revision: str, rounds: int, steady: float) -> None:
