@@ -176,7 +176,7 @@ def _shares(phase: Phase) -> dict[str, float]:
 
 def test_budget_bounds_the_loss_and_keeps_the_profile(host_interp: Interp) -> None:
     phases = {budget: run_phase(host_interp, budget, seconds)
-              for budget, seconds in ((0.0, 60), (0.25, 20), (0.05, 60))}
+              for budget, seconds in ((0.0, 60), (0.25, 40), (0.05, 60))}
     always, quarter, twentieth = phases[0.0], phases[0.25], phases[0.05]
     report = "; ".join(f"budget {b}: loss {p.loss:.3f}, {p.paused}/{p.samples} paused, "
                        f"exported {p.duty}, CPU share {p.cpu_share:.2f}"
@@ -200,6 +200,8 @@ def test_budget_bounds_the_loss_and_keeps_the_profile(host_interp: Interp) -> No
     # the budget is near the always-on loss, which itself differs by several
     # points from one phase to the next (0.198 in one, 0.279 at budget 0.25
     # with the hook on 99% of the time in the next): bounded on each side.
+    # Over 20 s one run measured 0.163 with the hook on 93% of the time (an
+    # always-on loss of 0.289): this phase now lasts 40 s.
     assert quarter.loss <= 0.25 + 0.08, report
     assert quarter.loss >= min(0.25, always.loss) - 0.08, report
     # At 0.05 the loss is the duty cycle times the always-on cost, and the
