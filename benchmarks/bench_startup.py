@@ -302,21 +302,28 @@ def mib(kib: float) -> str:
     return f"{kib / MiB:.0f}"
 
 
-def summary(name: str, runs: list[Run]) -> None:
-    def stat(values: list[float], fmt: str = "{:.0f}") -> str:
-        return f"{fmt.format(median(values))} [{fmt.format(max(values))}]"
+def stat(values: list[float], fmt: str = "{:.0f}") -> str:
+    """Median [worst]."""
+    return f"{fmt.format(median(values))} [{fmt.format(max(values))}]"
 
-    def mstat(values: list[int]) -> str:
-        return stat([v / MiB for v in values])
 
+def mstat(values: list[int]) -> str:
+    return stat([v / MiB for v in values])
+
+
+def print_peaks(runs: list[Run]) -> None:
     worst = max(runs, key=lambda r: r.peak_rss)
     parts = ", ".join(f"{role} {mib(kib)}" for role, kib in sorted(worst.peak_parts.items()))
-    print(f"{name}:")
-    print(f"  start-up (exec to healthy): {stat([r.startup for r in runs], '{:.2f}')} s, "
-          f"CPU {stat([r.startup_cpu for r in runs], '{:.2f}')} s")
     print(f"  peak tree RSS:  {mstat([r.peak_rss for r in runs])} MiB "
           f"(at the worst instant: {parts})")
     print(f"  peak tree anon: {mstat([r.peak_anon for r in runs])} MiB")
+
+
+def summary(name: str, runs: list[Run]) -> None:
+    print(f"{name}:")
+    print(f"  start-up (exec to healthy): {stat([r.startup for r in runs], '{:.2f}')} s, "
+          f"CPU {stat([r.startup_cpu for r in runs], '{:.2f}')} s")
+    print_peaks(runs)
     for role_name in ("daemon", "compiler", "chunkmaker"):
         values = [r.hwm[role_name] for r in runs if role_name in r.hwm]
         if values:
@@ -362,14 +369,9 @@ def prepare(folder: str, rounds: int) -> None:
             print(f"  round {r + 1} {name}: exited after {run.startup:.2f} s, peak tree "
                   f"{mib(run.peak_rss)} MiB (anon {mib(run.peak_anon)})", flush=True)
     for name, results in runs.items():
-        worst = max(results, key=lambda r: r.peak_rss)
-        parts = ", ".join(f"{role} {mib(kib)}" for role, kib in sorted(worst.peak_parts.items()))
         print(f"{name}:")
-        print(f"  until it exits: {median([r.startup for r in results]):.2f} s "
-              f"[{max(r.startup for r in results):.2f}]")
-        print(f"  peak tree RSS:  {median([r.peak_rss / MiB for r in results]):.0f} MiB "
-              f"(at the worst instant: {parts})")
-        print(f"  peak tree anon: {median([r.peak_anon / MiB for r in results]):.0f} MiB")
+        print(f"  until it exits: {stat([r.startup for r in results], '{:.2f}')} s")
+        print_peaks(results)
 
 
 def compare(variants: dict[str, Variant], revision: str, rounds: int, steady: float) -> None:
