@@ -4,6 +4,14 @@ the start-up .pth file (installed at the top of site-packages)."""
 from pathlib import Path
 
 from setuptools import setup
+
+try:
+    import cffi  # noqa: F401  (setuptools ignores cffi_modules without it)
+except ImportError as exc:
+    # Without this, a build with --no-build-isolation and no cffi "succeeds"
+    # with a wheel that holds no runtime at all.
+    raise SystemExit("tramprof-trampolines: building the runtime needs cffi "
+                     "(pip install cffi, or Debian's python3-cffi)") from exc
 from setuptools.command.build_py import build_py
 
 PTH = "tramprof_trampolines.pth"
