@@ -318,6 +318,29 @@ def test_cache_hits_by_stat_identity(bins: dict[str, Path]) -> None:
     assert (cache.misses, cache.hits) == (1, 1)
 
 
+def test_held_files_are_one_descriptor_per_file(bins: dict[str, Path]) -> None:
+    """Every process mapping a library holds it open until it is parsed: the
+    cache keeps one descriptor per file for all of them, closed with its last
+    holder, and none once the file is parsed."""
+    cache = ElfCache()
+    first, second = open(bins["lib"], "rb"), open(bins["lib"], "rb")  # noqa: SIM115
+    assert cache.hold(first) is first
+    assert cache.hold(second) is first and second.closed
+    symbols = cache.get_file(first)
+    third = open(bins["lib"], "rb")  # noqa: SIM115
+    assert cache.hold(third) is symbols and third.closed
+    assert not first.closed  # the holders let go of it; it is closed with the last
+    other = open(bins["pie"], "rb")  # noqa: SIM115
+    assert cache.hold(other) is other
+    fd = other.fileno()
+    del other
+    assert not os.path.exists(f"/proc/self/fd/{fd}") or \
+        os.readlink(f"/proc/self/fd/{fd}") != str(bins["pie"])
+    again = open(bins["pie"], "rb")  # noqa: SIM115
+    assert cache.hold(again) is again  # the last holder went: nothing shared any more
+    again.close()
+
+
 def test_cache_shares_by_build_id_across_copies(bins: dict[str, Path], tmp_path: Path) -> None:
     copy = tmp_path / "copy.so"
     shutil.copy(bins["lib"], copy)

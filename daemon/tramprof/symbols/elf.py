@@ -20,6 +20,7 @@ import io
 import os
 import struct
 import threading
+import weakref
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
@@ -546,6 +547,9 @@ class ElfCache:
         self._entries: OrderedDict[str, ElfSymbols] = OrderedDict()
         self._aliases: OrderedDict[str, str] = OrderedDict()
         self._failures: OrderedDict[str, ElfError] = OrderedDict()
+        # Files held open for a later parse, one per file however many
+        # processes map it (a busy node held the same ld.so 200 times).
+        self._held: weakref.WeakValueDictionary[str, BinaryIO] = weakref.WeakValueDictionary()
         self.hits = 0
         self.misses = 0
 
@@ -563,12 +567,23 @@ class ElfCache:
         with open(path, "rb") as f:
             return self.get_file(f)
 
-    def cached_file(self, f: BinaryIO) -> ElfSymbols | None:
-        """Symbols of an open file if this exact file was parsed before; never parses."""
-        st = os.fstat(f.fileno())
+    def hold(self, f: BinaryIO) -> BinaryIO | ElfSymbols:
+        """Keep an open, not yet parsed file for later: the symbols if this
+        exact file was parsed before (``f`` is closed), else the one open
+        file every holder of it shares (``f`` itself, or ``f`` is closed and
+        an earlier holder's file is returned). A shared file is closed when
+        its last holder lets go of it; parse it with ``get_file``, never
+        close it."""
+        identity = stat_key(os.fstat(f.fileno()))
         with self._lock:
-            primary = self._aliases.get(stat_key(st))
-            return self._lookup(primary) if primary is not None else None
+            primary = self._aliases.get(identity)
+            cached = self._lookup(primary) if primary is not None else None
+            shared = self._held.get(identity) if cached is None else None
+            if cached is None and shared is None:
+                self._held[identity] = f
+                return f
+        f.close()
+        return cached if cached is not None else shared  # type: ignore[return-value]
 
     def get_file(self, f: BinaryIO) -> ElfSymbols:
         """Symbols of an open file; raises OSError or ElfError."""

@@ -131,7 +131,7 @@ class ProcessSymbolizer:
         self._demangler = demangler
         # Debug table of each stripped object's mapping (None: none found).
         self._debug_tables: dict[Mapping, DebugTable | None] = {}
-        # Files opened by preload() and not parsed yet.
+        # Files opened by preload() and not parsed yet (shared: ElfCache.hold).
         self._held: dict[Mapping, BinaryIO] = {}
 
     # -- maps -------------------------------------------------------------
@@ -183,12 +183,11 @@ class ProcessSymbolizer:
                 if isinstance(opened, FailureReason):
                     self._objects[m] = opened
                     continue
-                cached = self._cache.cached_file(opened)
-                if cached is not None:
-                    opened.close()
-                    self._objects[m] = cached
+                held = self._cache.hold(opened)
+                if isinstance(held, ElfSymbols):
+                    self._objects[m] = held
                 else:
-                    self._held[m] = opened
+                    self._held[m] = held
             elif m.is_vdso:
                 self._objects[m] = self._load_vdso(m)
 
@@ -281,18 +280,24 @@ class ProcessSymbolizer:
 
     def _load_object(self, m: Mapping) -> _ObjectState:
         """Parse the mapped file, from the descriptor preload() held or freshly opened."""
-        opened = self._held.pop(m, None) or self._open_object(m)
+        held = self._held.pop(m, None)
+        if held is not None:  # shared with other processes (ElfCache.hold): not closed here
+            return self._parse(held)
+        opened = self._open_object(m)
         if isinstance(opened, FailureReason):
             return opened
         with opened:
-            try:
-                return self._cache.get_file(opened)
-            except ElfError as e:
-                if e.reason == "not_elf":
-                    return FailureReason.NOT_ELF
-                return FailureReason.MALFORMED_ELF
-            except OSError:
-                return FailureReason.FILE_UNREADABLE
+            return self._parse(opened)
+
+    def _parse(self, f: BinaryIO) -> _ObjectState:
+        try:
+            return self._cache.get_file(f)
+        except ElfError as e:
+            if e.reason == "not_elf":
+                return FailureReason.NOT_ELF
+            return FailureReason.MALFORMED_ELF
+        except OSError:
+            return FailureReason.FILE_UNREADABLE
 
     def _open_object(self, m: Mapping) -> BinaryIO | FailureReason:
         """Open the mapped file the way the process sees it (``open_mapping``)."""
