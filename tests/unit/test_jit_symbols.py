@@ -131,3 +131,37 @@ def test_memory_budget_evicts_the_least_recently_sampled_index(tmp_path):
     totals = JitTotals()
     totals.add_image(ProcessImage(symbolizer=None, jit=readers[1]), live=True)
     assert totals.counters[("perf_map", "lines_parsed")] == 400
+
+
+def test_image_caches_jit_names_only_until_the_files_are_read_again(tmp_path):
+    """A name found in anonymous memory is reused until the JIT files are read
+    again: the same answer the lookup would give, at one dict lookup."""
+    from tramprof.symbols.elf import ElfCache
+    from tramprof.symbols.images import ProcessImage
+    from tramprof.symbols.usersyms import ProcessSymbolizer
+
+    tmp = fake_process(tmp_path, 30, [30])
+    (tmp_path / "30" / "maps").write_text("7000-9000 r-xp 00000000 00:00 0\n")
+    path = tmp / "perf-30.map"
+    path.write_text("7000 10 first\n")
+    clock = Clock()
+    jit = JitSymbols(30, proc_root=str(tmp_path), clock=clock,
+                     limits=JitLimits(refresh_interval=1.0))
+    image = ProcessImage(ProcessSymbolizer(30, ElfCache(), proc_root=str(tmp_path),
+                                           anon_resolver=jit.resolve), jit)
+    looked_up = []
+    lookup = jit.perf_map.lookup
+    jit.perf_map.lookup = lambda addr: looked_up.append(addr) or lookup(addr)  # type: ignore[method-assign]
+    assert [image.resolve(0x7008) for _ in range(3)] == ["first"] * 3
+    assert looked_up == [0x7008, 0x7008]  # read with the first lookup, cached after the second
+    assert (jit.lookups, jit.resolved) == (3, 3)  # cached answers still date the index
+
+    # A miss is not cached: counted, and looked up again once the file may have grown.
+    assert image.resolve(0x8008) == "[anon]"
+    with path.open("a") as f:
+        f.write("8000 10 created_later\n7000 10 recreated\n")
+    assert image.resolve(0x8008) == "[anon]"
+    assert image.resolve(0x7008) == "first"  # the index is not read again on a hit...
+    clock.now += 1.5
+    assert image.resolve(0x8008) == "created_later"  # ...but on a miss, and then
+    assert image.resolve(0x7008) == jit.perf_map.lookup(0x7008) == "recreated"

@@ -26,7 +26,7 @@ from tramprof.symbols.debuginfo import DebugInfo, DebugTable
 from tramprof.symbols.demangle import Demangler
 from tramprof.symbols.elf import ElfCache
 from tramprof.symbols.jit import GAUGES, JitLimits, JitSymbols
-from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
+from tramprof.symbols.usersyms import ANON, ProcessSymbolizer, SymbolizationStats
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +41,19 @@ MAX_IMAGES = 2
 class ProcessImage:
     """One executable image of a process: its symbolizers and an address cache.
 
-    Only names from files are cached: JIT code is re-created at reused
-    addresses, so anonymous memory is looked up afresh every time.
+    Names from files are cached for good. JIT code is re-created at reused
+    addresses, so a name found in anonymous memory is cached only until the
+    process's JIT files are read again or its maps change (``_jit_key``):
+    until then the same lookup gives the same answer, and a Python process
+    under the runtime asks for the same few hundred stub addresses in every
+    stack of a drain.
     """
 
     symbolizer: ProcessSymbolizer | None
     jit: JitSymbols | None = None
     names: dict[int, str] = field(default_factory=dict)
+    jit_names: dict[int, str] = field(default_factory=dict)
+    _jit_key: tuple[int, int] = (-1, -1)  # (JIT epoch, maps generation) of jit_names
     # Where frames' code is (see ``locate``): one object per address, shared
     # by every stored sample that has it.
     sources: dict[int, FrameSource] = field(default_factory=dict)
@@ -59,12 +65,33 @@ class ProcessImage:
             return name
         if self.symbolizer is None:
             return "[unknown]"
+        jit = self.jit
+        if jit is not None:
+            key = (jit.epoch, self.symbolizer.maps_generation)
+            if key != self._jit_key:
+                self.jit_names.clear()
+                self._jit_key = key
+            name = self.jit_names.get(addr)
+            if name is not None:
+                jit.lookups += 1  # a use, as the lookup it stands for (note_use)
+                jit.resolved += 1
+                return name
         name = self.symbolizer.resolve(addr)
         mapping = self.symbolizer.mapping_for(addr)
-        if mapping is not None and not mapping.is_anonymous:
+        if mapping is None:
+            return name
+        if not mapping.is_anonymous:
             if len(self.names) >= MAX_CACHED_ADDRESSES:
                 self.names.clear()
             self.names[addr] = name
+        elif jit is not None and name != ANON and \
+                (jit.epoch, self.symbolizer.maps_generation) == self._jit_key:
+            # Named by the JIT files as they were when this lookup began (a
+            # lookup that re-read them, or the maps, is cached from the next);
+            # a miss is not cached: it is counted, and looked up again.
+            if len(self.jit_names) >= MAX_CACHED_ADDRESSES:
+                self.jit_names.clear()
+            self.jit_names[addr] = name
         return name
 
     def locate(self, addr: int) -> FrameSource | None:

@@ -80,6 +80,9 @@ class JitSymbols:
         self.perf_map, self.jitdump = self._readers(pid, nstgid, euid, proc_root, not_before)
         self._reader_args = (pid, nstgid, euid, proc_root, not_before)
         self._last_refresh: float | None = None
+        #: Moves whenever the indexes may have changed (a refresh, an
+        #: eviction): a name found at one epoch holds until the next.
+        self.epoch = 0
         self.last_results: tuple[RefreshResult, RefreshResult] | None = None
         self.lookups = 0
         self.resolved = 0
@@ -127,6 +130,7 @@ class JitSymbols:
                 if name not in GAUGES:
                     self.retired_counters[(kind, name)] += value
         self.perf_map, self.jitdump = self._readers(*self._reader_args)
+        self.epoch += 1
         self._last_refresh = None
         self.last_results = None
         self._evicted_until = self._clock() + self.limits.evicted_backoff
@@ -134,6 +138,7 @@ class JitSymbols:
 
     def refresh(self) -> None:
         self._last_refresh = self._clock()
+        self.epoch += 1
         self.last_results = (self.perf_map.refresh(), self.jitdump.refresh())
 
     def _lookup(self, addr: int) -> str | None:
