@@ -8,7 +8,8 @@ for binaries with hundreds of thousands of symbols, while the raw decode is
 about twenty times faster.
 
 An ``ElfSymbols`` keeps only what symbolization needs, as a flat table (an
-``array('Q')`` of starts and a list of names, ``None`` marking gaps), the
+``array('Q')`` of starts and their names packed (``symbols.names``), gaps
+marked), the
 build-id, the PT_LOAD segments and the ``.gnu_debuglink`` (where a stripped
 object's separate debug file is); no pyelftools object outlives parsing.
 """
@@ -24,6 +25,7 @@ import weakref
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -31,6 +33,7 @@ from elftools.common.exceptions import ELFError as _PyElfError
 from elftools.elf.elffile import ELFFile
 
 from tramprof.symbols.errors import ElfError
+from tramprof.symbols.names import PackedNames
 
 __all__ = ["DebugLink", "ElfCache", "ElfError", "ElfSymbols", "LoadSegment", "read_build_id"]
 
@@ -55,10 +58,8 @@ MAX_NOTE_BYTES = 64 << 10
 MAX_SECTION_NAMES_BYTES = 1 << 20
 #: A debuglink is a file name (at most NAME_MAX) and a CRC.
 MAX_DEBUGLINK_BYTES = 256 + 8
-# Estimated bytes per table entry: a start in the array, a list slot, and a
-# str object's header (CPython, compact ASCII) before its characters.
-_ENTRY_BYTES = 8 + 8
-_STR_HEADER_BYTES = 49
+# Bytes per table entry besides its packed name (symbols.names): its start.
+_START_BYTES = 8
 
 # Whatever a malformed file makes pyelftools (or our own decoding) throw.
 # OSError is deliberately absent: an unreadable file is a different failure.
@@ -142,7 +143,7 @@ class ElfSymbols:
         machine: str,
         segments: tuple[LoadSegment, ...],
         starts: array[int],
-        names: list[str | None],
+        names: Iterable[str | None],
         has_symtab: bool = False,
         debuglink: DebugLink | None = None,
     ) -> None:
@@ -155,8 +156,8 @@ class ElfSymbols:
         self.machine = machine
         self.segments = segments
         self._starts = starts
-        self._names = names
-        self.symbol_count = sum(1 for n in names if n is not None)
+        self._names = PackedNames(names)
+        self.symbol_count = self._names.count()
         self._memory: int | None = None
 
     @classmethod
@@ -181,9 +182,7 @@ class ElfSymbols:
     def memory_bytes(self) -> int:
         """Estimated memory of the symbol table (what a memory budget counts)."""
         if self._memory is None:
-            chars = sum(len(n) for n in self._names if n is not None)
-            self._memory = (_ENTRY_BYTES * len(self._names) + chars
-                            + _STR_HEADER_BYTES * self.symbol_count)
+            self._memory = _START_BYTES * len(self._starts) + self._names.packed_bytes()
         return self._memory
 
     def file_offset_to_vaddr(self, offset: int) -> int | None:

@@ -21,6 +21,8 @@ from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from tramprof.symbols.names import PackedNames
+
 _PAGE = 4096
 _TEXT_TYPES = frozenset("tTwW")
 # Section-boundary markers that kallsyms lists as text symbols although no
@@ -78,7 +80,7 @@ class KernelSymbols:
         self._lock = threading.Lock()
         self._loaded = False
         self._starts: array[int] = array("Q")
-        self._names: list[str | None] = []
+        self._names = PackedNames(())
         self._count = 0
         self._reason: str | None = None
 
@@ -134,7 +136,7 @@ class KernelSymbols:
 
     def _load(self) -> None:
         self._starts = array("Q")
-        self._names = []
+        self._names = PackedNames(())
         self._count = 0
         try:
             with open(self._path, encoding="utf-8", errors="replace") as f:
@@ -173,7 +175,8 @@ class KernelSymbols:
                 groups.append((addr, raw[i].region, None))
             i = j
 
-        starts, names = self._starts, self._names
+        starts = self._starts
+        names: list[str | None] = []
         for k, (addr, region, name) in enumerate(groups):
             if name is None:
                 if names and names[-1] is None:
@@ -190,6 +193,7 @@ class KernelSymbols:
                 if nxt is None or end < nxt[0]:
                     starts.append(end)
                     names.append(None)
+        self._names = PackedNames(names)
 
 
 def _parse_lines(lines: Iterable[str]) -> tuple[list[_Raw], int]:
