@@ -102,6 +102,9 @@ class TabledProcess:
     objects: dict[int, str] = field(default_factory=dict)  # mapping index -> object key
     wanted: set[int] = field(default_factory=set)          # mapping indexes to resolve
     unreadable: set[int] = field(default_factory=set)      # mapping indexes that did not open
+    # Mapping indexes samples were noted in since the last refresh: a
+    # drain's stacks of one process pass through the same few objects.
+    noted: set[int] = field(default_factory=set)
     installed: tuple[tuple[int, int, int, int, int], ...] = ()
 
 
@@ -233,11 +236,13 @@ class TableMode:
         if proc is None or not proc.starts:
             return
         now = self._now()
+        noted = proc.noted
         for i, (ip, _sp) in enumerate(sample.user_frames):
             pc = ip if i == 0 else ip - 1
             at = bisect_right(proc.starts, pc) - 1
-            if at < 0 or pc >= proc.mappings[at].end:
+            if at < 0 or at in noted or pc >= proc.mappings[at].end:
                 continue
+            noted.add(at)
             key = proc.objects.get(at)
             if key is None:
                 proc.wanted.add(at)
@@ -259,6 +264,7 @@ class TableMode:
         if self.budget_bytes <= 0:
             return
         for pid in live & self._procs.keys():
+            self._procs[pid].noted.clear()
             self._resolve_wanted(pid)
         self._collect_builds()
         for pid in live & self._procs.keys():
