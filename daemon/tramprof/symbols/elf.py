@@ -574,15 +574,17 @@ class ElfCache:
         its last holder lets go of it; parse it with ``get_file``, never
         close it."""
         identity = stat_key(os.fstat(f.fileno()))
+        found: ElfSymbols | BinaryIO | None
         with self._lock:
             primary = self._aliases.get(identity)
-            cached = self._lookup(primary) if primary is not None else None
-            shared = self._held.get(identity) if cached is None else None
-            if cached is None and shared is None:
+            found = self._lookup(primary) if primary is not None else None
+            if found is None:
+                found = self._held.get(identity)
+            if found is None:
                 self._held[identity] = f
                 return f
         f.close()
-        return cached if cached is not None else shared  # type: ignore[return-value]
+        return found
 
     def get_file(self, f: BinaryIO) -> ElfSymbols:
         """Symbols of an open file; raises OSError or ElfError."""

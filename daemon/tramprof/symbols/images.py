@@ -73,8 +73,7 @@ class ProcessImage:
                 self._jit_key = key
             name = self.jit_names.get(addr)
             if name is not None:
-                jit.lookups += 1  # a use, as the lookup it stands for (note_use)
-                jit.resolved += 1
+                jit.count_cached_hit()
                 return name
         name = self.symbolizer.resolve(addr)
         mapping = self.symbolizer.mapping_for(addr)
