@@ -15,7 +15,7 @@ from tramprof.procfs.maps import Mapping, read_maps
 from tramprof.sampler import layout
 from tramprof.sampler.tables import CHUNK_BYTES, PROC_BYTES, TablesFull, chunks_for
 from tramprof.unwind.cfi import compile_table
-from tramprof.unwind.tables import TableMode
+from tramprof.unwind.tables import TableMode, TableObject
 
 
 class RecordingWriter:
@@ -231,3 +231,37 @@ def test_exited_processes_are_forgotten(sleepers: list[int]) -> None:
     finally:
         mode.close()
     assert pid not in writer.processes and not mode.unwinds(pid)
+
+
+def test_a_refresh_reworks_a_process_only_when_its_tables_change(
+        sleepers: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every live process is refreshed each second; its mapping list is
+    worked out again only after a load or an eviction, or when it wanted a
+    new object, and then includes the new table."""
+    looked_at: list[str] = []
+    bias = TableObject.bias
+    monkeypatch.setattr(TableObject, "bias",
+                        lambda obj, m: looked_at.append(obj.name) or bias(obj, m))
+    writer = RecordingWriter()
+    mode = TableMode(writer, 64 << 20)
+    try:
+        maps = {pid: read_maps(pid) for pid in sleepers}
+        for pid in sleepers:
+            mode.consider(pid, maps[pid])
+            mode.note_sample(sample_in(pid, libc(maps[pid])))
+        settle(mode, set(sleepers))
+        assert all(len(writer.processes[pid]) == 1 for pid in sleepers)
+        looked_at.clear()
+        for _ in range(3):
+            mode.refresh(set(sleepers))
+        assert looked_at == []
+        first = sleepers[0]
+        loader = next(m for m in maps[first] if m.is_exec and "ld-linux" in m.path)
+        mode.note_sample(sample_in(first, loader))
+        settle(mode, set(sleepers))
+        assert [len(writer.processes[pid]) for pid in sleepers] == [2, 1]
+        looked_at.clear()
+        mode.refresh(set(sleepers))
+        assert looked_at == []
+    finally:
+        mode.close()

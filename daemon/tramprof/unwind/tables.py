@@ -106,6 +106,9 @@ class TabledProcess:
     # drain's stacks of one process pass through the same few objects.
     noted: set[int] = field(default_factory=set)
     installed: tuple[tuple[int, int, int, int, int], ...] = ()
+    # TableMode.layout_epoch when ``installed`` was worked out; -1: work it
+    # out again (its objects changed, or more were loaded than fit).
+    installed_epoch: int = -1
 
 
 @dataclass
@@ -214,6 +217,10 @@ class TableMode:
         self._errors: Counter[str] = Counter()
         self.stats = TableStats()
         self._now = time.monotonic
+        #: Moves whenever an object's rows are loaded or taken out: a
+        #: process's installed mappings can change only then, or when its
+        #: own objects change (most refreshes change neither).
+        self.layout_epoch = 0
 
     # -- the UnwindMode protocol ------------------------------------------
 
@@ -356,6 +363,7 @@ class TableMode:
                 log.debug("pid %d: %s: %s", pid, m.path, exc)
                 continue
             proc.objects[at] = key
+            proc.installed_epoch = -1
             obj = self._objects.get(key)
             if obj is None:
                 obj = self._objects[key] = TableObject(key=key, name=m.basename)
@@ -443,12 +451,14 @@ class TableMode:
             self._refuse(obj, "budget", "no room for its rows")
             return
         obj.state = "loaded"
+        self.layout_epoch += 1
         self.stats.builds["loaded"] += 1
 
     def _evict(self, obj: TableObject) -> None:
         """Take an object's rows out of every process, then out of the maps."""
         first = obj.first_row
         obj.state, obj.first_row, obj.evicted_at = "evicted", -1, self._now()
+        self.layout_epoch += 1
         for pid in self._procs:
             self._install(pid)
         self._writer.unload_rows(first)
@@ -456,6 +466,8 @@ class TableMode:
 
     def _install(self, pid: int) -> None:
         proc = self._procs[pid]
+        if proc.installed_epoch == self.layout_epoch:
+            return
         entries = []
         for at, key in proc.objects.items():
             obj = self._objects.get(key)
@@ -471,15 +483,18 @@ class TableMode:
         entries.sort(key=lambda e: -e[0])
         chosen = sorted(e[1:] for e in entries[:layout.MAX_UNWIND_MAPPINGS])
         record = tuple(chosen)
-        if record == proc.installed:
-            return
-        if record:
-            self._writer.set_unwind_process(pid, [
-                layout.UnwindMapping(start=s, end=e, bias=b, first_row=f, nr_rows=n)
-                for s, e, b, f, n in record])
-        else:
-            self._writer.remove_unwind_process(pid)
-        proc.installed = record
+        # Past the limit the choice follows when objects were last sampled:
+        # worked out again at every refresh.
+        epoch = self.layout_epoch if len(entries) <= layout.MAX_UNWIND_MAPPINGS else -1
+        if record != proc.installed:
+            if record:
+                self._writer.set_unwind_process(pid, [
+                    layout.UnwindMapping(start=s, end=e, bias=b, first_row=f, nr_rows=n)
+                    for s, e, b, f, n in record])
+            else:
+                self._writer.remove_unwind_process(pid)
+            proc.installed = record
+        proc.installed_epoch = epoch
 
     def _update_stats(self) -> None:
         loaded = [o for o in self._objects.values() if o.state == "loaded"]
