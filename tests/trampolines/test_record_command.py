@@ -55,24 +55,28 @@ def shares(stacks: dict[tuple[str, ...], int], *chains: list[str]) -> tuple[floa
 
 def test_python_command_runs_with_trampolines_until_it_exits(host_interp: Interp,
                                                              tmp_path: Path) -> None:
+    # 8 s of work: what is not walked is the start-up, until the runtime is
+    # found (~0.1 s here, over 1 s once on a loaded CI machine).
     began = time.monotonic()
     proc, stacks = record_command(host_interp, tmp_path, host_interp.python,
-                                  host_interp.script("nesting.py"), "chain", "4")
+                                  host_interp.script("nesting.py"), "chain", "8")
     elapsed = time.monotonic() - began
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "ready\n"  # the command's own output, untouched
     assert "cannot import tramprof_trampolines" not in proc.stderr
-    # One busy thread for 4 s at 499 Hz: ~2000 samples at most (fewer on a
+    # One busy thread for 8 s at 499 Hz: ~4000 samples at most (fewer on a
     # shared CPU).
-    assert sum(stacks.values()) <= 2100, sum(stacks.values())
+    assert sum(stacks.values()) <= 4200, sum(stacks.values())
     # Debian's python3.11 has no frame pointers: Python frames come only from
     # the runtime's chain, so they show it was activated. Only the
     # interpreter's start-up, before the .pth activates it, has none.
     covered, exact = shares(stacks, CHAIN)
+    unwalked = sorted(((s, c) for s, c in stacks.items() if not python_frames(s)),
+                      key=lambda kv: -kv[1])
     assert covered >= 0.8 and exact >= 0.95, \
-        (covered, exact, sorted(stacks.items(), key=lambda kv: -kv[1])[:3])
-    # Ended with the command: 4 s of work plus BPF compilation, not a fixed duration.
-    assert elapsed < 4 + 60, elapsed
+        (covered, exact, sum(stacks.values()), elapsed, unwalked[:3])
+    # Ended with the command: 8 s of work plus BPF compilation, not a fixed duration.
+    assert elapsed < 8 + 60, elapsed
 
 
 def test_children_are_followed_and_the_status_is_the_commands(host_interp: Interp,
