@@ -395,3 +395,45 @@ def test_writer_refuses_a_process_over_its_cap_and_rolls_back_a_full_map():
     assert pages_of(bpf, 3) == set() and len(bpf.tables[b"chain_procs"]) == 1
     assert pages_of(bpf, 2) == {0x10000 + i * 0x1000 for i in range(6)}
     assert writer.pages_held(3) == 0 and writer.pages_held(2) == 6
+
+
+def test_scan_mode_looks_at_a_perf_map_without_python_entries_less_often(tmp_path):
+    """node and the like write perf maps too: after its first look, such a
+    process is looked at every IDLE_LOOK_SECONDS, not at every refresh, until
+    a change of its maps brings it back at once."""
+    from tramprof.unwind.scan import IDLE_LOOK_SECONDS
+
+    proc = fake_proc(tmp_path, [ARENA], [], [ARENA],
+                     perf_map=f"{ARENA + 0x40:x} 20 LazyCompile:*main /app/a.js:1\n")
+    perf_map = proc.parent / "rootfs" / "tmp" / f"perf-{PID}.map"
+    maps = RecordingMaps()
+    scan = ScanMode(maps, str(proc))
+    clock = [100.0]
+    scan._now = lambda: clock[0]
+    scan.consider(PID, mappings(proc))
+    scan.refresh({PID})  # the first refresh looks again, then backs off
+    assert not scan.unwinds(PID)
+    with open(perf_map, "a") as f:
+        f.write(f"{ARENA:x} {len(STUB):x} py::f:/app/a.py\n"
+                f"{ARENA + 0x20:x} {len(STUB):x} py::g:/app/a.py\n")
+    clock[0] += IDLE_LOOK_SECONDS - 1
+    scan.refresh({PID})
+    assert not scan.unwinds(PID)  # not looked at yet
+    clock[0] += 1
+    scan.refresh({PID})
+    assert scan.unwinds(PID)
+
+    # Another idle process; its maps change (an injection): the next refresh looks.
+    scan.refresh(set())
+    perf_map.write_text(f"{ARENA + 0x40:x} 20 LazyCompile:*main /app/a.js:1\n")
+    scan.consider(PID, mappings(proc))
+    scan.refresh({PID})
+    with open(perf_map, "a") as f:
+        f.write(f"{ARENA:x} {len(STUB):x} py::f:/app/a.py\n"
+                f"{ARENA + 0x20:x} {len(STUB):x} py::g:/app/a.py\n")
+    clock[0] += 1
+    scan.refresh({PID})
+    assert not scan.unwinds(PID)
+    scan.consider(PID, mappings(proc))
+    scan.refresh({PID})
+    assert scan.unwinds(PID)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,12 @@ MAX_PERF_MAP_READ = 4 << 20
 # The scan follows what is appended (new stubs, maybe in new arenas) and keeps
 # no index of names: the symbolizer has that.
 _PERF_MAP_CAPS = {"max_file_bytes": 64 << 20, "max_entries": 1 << 20}
+# A process with anonymous executable memory whose perf map has shown no
+# Python entry (node, a JVM, or a CPython without -X perf) is looked at this
+# often after its first seconds, not at every refresh: reopening its perf map
+# through the hardened reader every second is most of this mode's cost on a
+# busy node. A change of its maps (an injection) brings it back at once.
+IDLE_LOOK_SECONDS = 10.0
 
 
 def is_anon_exec(m: Mapping) -> bool:
@@ -82,12 +89,16 @@ class _Candidate:
     stubs: list[tuple[int, int]] = field(default_factory=list)
     refused: str | None = None  # why the perf map was last refused
     perf_map: PerfMap | None = None
+    python_seen: bool = False   # the perf map ever had a py:: entry
+    next_look: float = 0.0      # monotonic; refreshes before it skip an idle candidate
 
     def collect(self, parsed: ParsedLines) -> None:
         """The perf map reader's new entries: keep the stubs' places."""
+        before = len(self.stubs)
         self.stubs.extend((start, end - start) for start, end, name
                           in zip(parsed.starts, parsed.ends, parsed.names, strict=True)
                           if name.startswith("py::"))
+        self.python_seen = self.python_seen or len(self.stubs) > before
 
 
 class ScanMode:
@@ -104,6 +115,7 @@ class ScanMode:
         self._refused: dict[int, tuple[str, str]] = {}
         self._newcomers = Newcomers()  # -X perf writes its trampolines as code first runs
         self._errors: Counter[str] = Counter()
+        self._now = time.monotonic
 
     def unwinds(self, pid: int) -> bool:
         return pid in self._procs
@@ -118,7 +130,13 @@ class ScanMode:
     def consider(self, pid: int, mappings: Sequence[Mapping]) -> None:
         """May the process run CPython's trampolines? (It has anonymous
         executable memory.)"""
-        if pid in self._candidates or pid in self._refused:
+        known = self._candidates.get(pid)
+        if known is not None:
+            # Its maps changed (new arenas, an injected -X perf): look at
+            # the next refresh.
+            known.next_look = 0.0
+            return
+        if pid in self._refused:
             return
         if not any(is_anon_exec(m) for m in mappings):
             return
@@ -136,11 +154,14 @@ class ScanMode:
         self._newcomers.add(pid)
 
     def refresh(self, live: set[int]) -> None:
-        for pid in list(self._candidates):
+        now = self._now()
+        for pid, cand in list(self._candidates.items()):
             if pid not in live:
                 self.forget(pid)
-            else:
+            elif cand.python_seen or now >= cand.next_look:
                 self._update(pid)
+                if not cand.python_seen and pid in self._candidates:
+                    cand.next_look = now + IDLE_LOOK_SECONDS
         for pid in [p for p in self._refused if p not in live]:
             del self._refused[pid]
 
