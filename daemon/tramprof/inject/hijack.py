@@ -18,8 +18,14 @@ as an ordinary extension module import on the main thread.
 Steps, each with a deadline (``ptrace.StepTimeout``) and followed on every
 path by restoring the registers and detaching:
 
-1. seize and interrupt the thread (preferably one blocked in a system
-   call: it is then interrupted at a known place, like any signal would);
+1. seize and interrupt the thread: before 3.13 the main thread, wherever
+   it is (only a call made on the main thread wakes the main thread, see
+   ``MAIN_THREAD_ONLY_BEFORE``); from 3.13 preferably one blocked in a
+   system call, interrupted at a known place like any signal would. A main
+   thread interrupted while it holds the pending-call queue's lock (only
+   while adding or taking a call) makes the stub wait on that lock: the
+   step's deadline passes, its registers are restored and it goes on where
+   it was (the injection times out, nothing changed);
 2. one ``mmap(PROT_READ|PROT_EXEC)`` of two pages, executed at a
    ``syscall`` instruction (the one the thread was blocked in, else one in
    the vDSO) by single-stepping, registers restored at once;
@@ -163,9 +169,22 @@ def build_page(regs: ptrace.Regs, run_function: int, add_pending: int, code: byt
     return bytes(page)
 
 
-def choose_thread(pid: int) -> int:
-    """A thread blocked in a system call (main thread first), else the main
-    thread: interrupting a blocked thread is what a signal does every day."""
+#: Before 3.13 ``Py_AddPendingCall`` sets the eval breaker only when the
+#: main thread itself calls it (CPython computes the breaker for the calling
+#: thread). From another thread the call waits until the main thread happens
+#: to recompute it (a GIL hand-over, a signal), which a main thread running
+#: Python code without ever releasing the GIL does not do: the activation
+#: would wait for as long as that lasts.
+MAIN_THREAD_ONLY_BEFORE = (3, 13)
+
+
+def choose_thread(pid: int, version: tuple[int, int]) -> int:
+    """The thread to make the call: before 3.13 the main thread, wherever it
+    is; from 3.13 a thread blocked in a system call (main thread first), else
+    the main thread: interrupting a blocked thread is what a signal does
+    every day."""
+    if version < MAIN_THREAD_ONLY_BEFORE:
+        return pid
     tids = sorted((int(t) for t in os.listdir(f"/proc/{pid}/task")),
                   key=lambda t: (t != pid, t))
     for tid in tids:
@@ -205,7 +224,7 @@ def _schedule(target: Target, code: str, step_seconds: float) -> Scheduled:
     run_function = target.interpreter.symbols["PyRun_SimpleString"]
     add_pending = target.interpreter.symbols["Py_AddPendingCall"]
     encoded = code.encode()
-    tid = choose_thread(target.pid)
+    tid = choose_thread(target.pid, target.version)
     assemble_stub()          # everything that can be done before the stop is done
     ptrace.libc()
     tracee = ptrace.Tracee(tid, target.pid)
