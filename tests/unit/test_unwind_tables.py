@@ -85,15 +85,21 @@ def settle(mode: TableMode, live: set[int]) -> None:
     mode.refresh(live)
 
 
+def table_libc(mode: TableMode, pids: list[int]) -> dict[int, list[Mapping]]:
+    """Each process sampled in libc, the table built and installed."""
+    maps = {pid: read_maps(pid) for pid in pids}
+    for pid in pids:
+        mode.consider(pid, maps[pid])
+        mode.note_sample(sample_in(pid, libc(maps[pid])))
+    settle(mode, set(pids))
+    return maps
+
+
 def test_one_table_per_object_shared_by_processes(sleepers: list[int]) -> None:
     writer = RecordingWriter()
     mode = TableMode(writer, 64 << 20)
     try:
-        maps = {pid: read_maps(pid) for pid in sleepers}
-        for pid in sleepers:
-            mode.consider(pid, maps[pid])
-            mode.note_sample(sample_in(pid, libc(maps[pid])))
-        settle(mode, set(sleepers))
+        maps = table_libc(mode, sleepers)
     finally:
         mode.close()
     assert writer.loads == 1
@@ -245,11 +251,7 @@ def test_a_refresh_reworks_a_process_only_when_its_tables_change(
     writer = RecordingWriter()
     mode = TableMode(writer, 64 << 20)
     try:
-        maps = {pid: read_maps(pid) for pid in sleepers}
-        for pid in sleepers:
-            mode.consider(pid, maps[pid])
-            mode.note_sample(sample_in(pid, libc(maps[pid])))
-        settle(mode, set(sleepers))
+        maps = table_libc(mode, sleepers)
         assert all(len(writer.processes[pid]) == 1 for pid in sleepers)
         looked_at.clear()
         for _ in range(3):
