@@ -446,3 +446,48 @@ def test_debug_file_failing_its_crc_is_refused_and_counted(split_cxx: dict[str, 
         assert sym.resolve(hidden).startswith("cxx+0x")
         assert sym.resolve(hidden + 1).startswith("cxx+0x")
     assert sym.stats.snapshot() == {"debug_file_crc_mismatch": 1, "no_symbol": 2}
+
+
+def test_image_forgets_names_by_address_when_a_file_mapping_goes(tmp_path: Path) -> None:
+    """Names from files are cached by address until a file mapping goes
+    away: a file unmapped and another mapped at the same address (dlclose
+    and dlopen, or a hostile process) is named as the new file; an address
+    in a mapping without code is never cached."""
+    from tramprof.symbols.images import ProcessImage
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    paths = []
+    for name in ("first_code", "second_code"):
+        path = tmp_path / name
+        path.write_bytes(b"\xeb\xfe" + bytes(4094))  # not ELF: named by file and offset
+        paths.append(path)
+
+    def map_at(path: Path, address: int | None, prot: int) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            flags = mmap.MAP_PRIVATE | (0x10 if address else 0)  # MAP_FIXED
+            at = libc.mmap(address, 4096, prot, flags, fd, 0)
+        finally:
+            os.close(fd)
+        assert at not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        return at
+
+    image = ProcessImage(ProcessSymbolizer(os.getpid(), ElfCache()))
+    address = map_at(paths[0], None, mmap.PROT_READ)
+    try:
+        image.symbolizer.reload_maps()
+        assert image.resolve(address + 8) == "[unknown]"  # no code here...
+        map_at(paths[0], address, mmap.PROT_READ | mmap.PROT_EXEC)
+        image.symbolizer.reload_maps()
+        assert image.resolve(address + 8) == "first_code+0x8"  # ...until there is
+        libc.munmap(address, 4096)
+        map_at(paths[1], address, mmap.PROT_READ | mmap.PROT_EXEC)
+        assert image.resolve(address + 8) == "first_code+0x8"  # maps not read again yet
+        image.symbolizer.reload_maps()
+        assert image.resolve(address + 8) == "second_code+0x8"
+    finally:
+        libc.munmap(address, 4096)

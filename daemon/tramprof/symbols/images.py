@@ -41,7 +41,8 @@ MAX_IMAGES = 2
 class ProcessImage:
     """One executable image of a process: its symbolizers and an address cache.
 
-    Names from files are cached for good. JIT code is re-created at reused
+    Names from files are cached until a file mapping goes away (an address
+    may then hold other code: ``files_generation``). JIT code is re-created at reused
     addresses, so a name found in anonymous memory is cached only until the
     process's JIT files are read again or its maps change (``_jit_key``):
     until then the same lookup gives the same answer, and a Python process
@@ -54,12 +55,25 @@ class ProcessImage:
     names: dict[int, str] = field(default_factory=dict)
     jit_names: dict[int, str] = field(default_factory=dict)
     _jit_key: tuple[int, int] = (-1, -1)  # (JIT epoch, maps generation) of jit_names
+    _files_key: int = 0  # the symbolizer's files_generation of names and sources
     # Where frames' code is (see ``locate``): one object per address, shared
     # by every stored sample that has it.
     sources: dict[int, FrameSource] = field(default_factory=dict)
     mapped_files: dict[Mapping, MappedFile] = field(default_factory=dict)
 
+    def _forget_moved_files(self) -> None:
+        """Drop what was found by address when a file mapping went away."""
+        symbolizer = self.symbolizer
+        if symbolizer is not None and symbolizer.files_generation != self._files_key:
+            self._files_key = symbolizer.files_generation
+            self.names.clear()
+            self.sources.clear()
+            self.mapped_files.clear()
+
     def resolve(self, addr: int) -> str:
+        symbolizer = self.symbolizer
+        if symbolizer is not None and symbolizer.files_generation != self._files_key:
+            self._forget_moved_files()
         name = self.names.get(addr)
         if name is not None:
             return name
@@ -80,6 +94,8 @@ class ProcessImage:
         if mapping is None:
             return name
         if not mapping.is_anonymous:
+            if not mapping.is_exec:  # no code here now: maybe some later
+                return name
             if len(self.names) >= MAX_CACHED_ADDRESSES:
                 self.names.clear()
             self.names[addr] = name
@@ -99,6 +115,7 @@ class ProcessImage:
         Call after ``resolve`` (which loads the mapped object). A jitdump's
         (file, line) is looked up every time (JIT code moves); the rest is
         cached per address."""
+        self._forget_moved_files()
         source = self.sources.get(addr)
         if source is not None and source.mapping is not None:
             return source

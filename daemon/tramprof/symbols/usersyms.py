@@ -125,6 +125,10 @@ class ProcessSymbolizer:
         self._maps_loaded_at: float | None = None
         #: Bumped whenever the maps were re-read: new libraries, new JIT arenas.
         self.maps_generation = 0
+        #: Bumped when a re-read finds a file mapping gone (dlclose, munmap):
+        #: its addresses may now hold other code, so names found by address
+        #: before are void.
+        self.files_generation = 0
         self._maps_error: FailureReason | None = None
         self._objects: dict[Mapping, _ObjectState] = {}
         self._debug_info = debug_info
@@ -159,9 +163,11 @@ class ProcessSymbolizer:
             return
         self._maps_error = None
         self.maps_generation += 1
+        live = set(mappings)
+        if any(not m.is_anonymous and m not in live for m in self._mappings):
+            self.files_generation += 1
         self._mappings = mappings
         self._starts = [m.start for m in mappings]
-        live = set(mappings)
         self._objects = {m: o for m, o in self._objects.items() if m in live}
         self._debug_tables = {m: t for m, t in self._debug_tables.items() if m in live}
 
