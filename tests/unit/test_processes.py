@@ -315,10 +315,15 @@ def test_table_resync_on_live_proc_catches_a_lost_exec() -> None:
     def wait_for_image(comm: str) -> int:
         """Until the exec of ``comm`` has completed (its code is mapped)."""
         deadline = time.monotonic() + 5
+        # The kernel sets the new name before the code and stack addresses:
+        # wait until they are set and read the same twice.
+        seen = None
         while True:
             st = read_stat(child.pid)
-            if st.comm == comm and st.exec_signature is not None:
-                return st.start_ticks
+            if st.comm == comm and st.start_code > 1 and st.exec_signature is not None:
+                if st.exec_signature == seen:
+                    return st.start_ticks
+                seen = st.exec_signature
             assert time.monotonic() < deadline
             time.sleep(0.002)
 
