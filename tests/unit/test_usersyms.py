@@ -489,5 +489,12 @@ def test_image_forgets_names_by_address_when_a_file_mapping_goes(tmp_path: Path)
         assert image.resolve(address + 8) == "first_code+0x8"  # maps not read again yet
         image.symbolizer.reload_maps()
         assert image.resolve(address + 8) == "second_code+0x8"
+        # Mappings without code coming and going (data, the heap) keep the cache.
+        generation = image.symbolizer.files_generation
+        data = map_at(paths[0], None, mmap.PROT_READ)
+        image.symbolizer.reload_maps()
+        libc.munmap(data, 4096)
+        image.symbolizer.reload_maps()
+        assert image.symbolizer.files_generation == generation
     finally:
         libc.munmap(address, 4096)

@@ -41,8 +41,9 @@ MAX_IMAGES = 2
 class ProcessImage:
     """One executable image of a process: its symbolizers and an address cache.
 
-    Names from files are cached until a file mapping goes away (an address
-    may then hold other code: ``files_generation``). JIT code is re-created at reused
+    Names from files are cached until an executable file mapping goes away
+    (an address may then hold other code: ``files_generation``); addresses
+    in mappings without code are not cached. JIT code is re-created at reused
     addresses, so a name found in anonymous memory is cached only until the
     process's JIT files are read again or its maps change (``_jit_key``):
     until then the same lookup gives the same answer, and a Python process
@@ -61,19 +62,15 @@ class ProcessImage:
     sources: dict[int, FrameSource] = field(default_factory=dict)
     mapped_files: dict[Mapping, MappedFile] = field(default_factory=dict)
 
-    def _forget_moved_files(self) -> None:
-        """Drop what was found by address when a file mapping went away."""
+    def resolve(self, addr: int) -> str:
         symbolizer = self.symbolizer
         if symbolizer is not None and symbolizer.files_generation != self._files_key:
+            # A file mapping went away: what was found by address is void
+            # (``locate`` is called after ``resolve``, so this covers it too).
             self._files_key = symbolizer.files_generation
             self.names.clear()
             self.sources.clear()
             self.mapped_files.clear()
-
-    def resolve(self, addr: int) -> str:
-        symbolizer = self.symbolizer
-        if symbolizer is not None and symbolizer.files_generation != self._files_key:
-            self._forget_moved_files()
         name = self.names.get(addr)
         if name is not None:
             return name
@@ -115,7 +112,6 @@ class ProcessImage:
         Call after ``resolve`` (which loads the mapped object). A jitdump's
         (file, line) is looked up every time (JIT code moves); the rest is
         cached per address."""
-        self._forget_moved_files()
         source = self.sources.get(addr)
         if source is not None and source.mapping is not None:
             return source

@@ -125,9 +125,10 @@ class ProcessSymbolizer:
         self._maps_loaded_at: float | None = None
         #: Bumped whenever the maps were re-read: new libraries, new JIT arenas.
         self.maps_generation = 0
-        #: Bumped when a re-read finds a file mapping gone (dlclose, munmap):
-        #: its addresses may now hold other code, so names found by address
-        #: before are void.
+        #: Bumped when a re-read finds an executable file mapping gone
+        #: (dlclose, munmap): its addresses may now hold other code, so names
+        #: found by address there before are void. Other changes (the heap
+        #: growing, JIT arenas) leave it alone.
         self.files_generation = 0
         self._maps_error: FailureReason | None = None
         self._objects: dict[Mapping, _ObjectState] = {}
@@ -164,7 +165,7 @@ class ProcessSymbolizer:
         self._maps_error = None
         self.maps_generation += 1
         live = set(mappings)
-        if any(not m.is_anonymous and m not in live for m in self._mappings):
+        if any(m.is_exec and not m.is_anonymous and m not in live for m in self._mappings):
             self.files_generation += 1
         self._mappings = mappings
         self._starts = [m.start for m in mappings]
