@@ -94,11 +94,11 @@ class _Candidate:
 
     def collect(self, parsed: ParsedLines) -> None:
         """The perf map reader's new entries: keep the stubs' places."""
-        before = len(self.stubs)
-        self.stubs.extend((start, end - start) for start, end, name
-                          in zip(parsed.starts, parsed.ends, parsed.names, strict=True)
-                          if name.startswith("py::"))
-        self.python_seen = self.python_seen or len(self.stubs) > before
+        python = [(start, end - start) for start, end, name
+                  in zip(parsed.starts, parsed.ends, parsed.names, strict=True)
+                  if name.startswith("py::")]
+        self.stubs.extend(python)
+        self.python_seen = self.python_seen or bool(python)
 
 
 class ScanMode:
