@@ -3,9 +3,15 @@ runtime's duty-cycle words, and the duty cycle a budget allows."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import struct
+from dataclasses import replace
+
 import pytest
-from tramprof.unwind.descriptor import DutyState
-from tramprof.unwind.duty import MIN_DUTY, duty_for, on_share
+from tramprof.unwind import duty
+from tramprof.unwind.descriptor import DUTY_ALWAYS, DUTY_PPM_OFFSET, DutyState
+from tramprof.unwind.duty import MIN_DUTY, DutyCycle, duty_for, on_share
 
 
 def state(off_ns: int, paused_since_ns: int = 0) -> DutyState:
@@ -38,3 +44,33 @@ def test_on_share_is_bounded() -> None:
 ])
 def test_duty_for_budget(budget: float, overhead: float, duty: float) -> None:
     assert duty_for(budget, overhead) == pytest.approx(duty)
+
+
+def test_without_a_budget_a_process_is_measured_every_unbudgeted_seconds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its estimate is only exported: one stat read per process every 10 s,
+    not at every refresh; a duty cycle set by someone else is still undone
+    at the next refresh."""
+    now = [100.0]
+    reads: list[float] = []
+    real_read_stat = duty.read_stat
+
+    def counted(pid: int, proc_root: str = "/proc") -> object:
+        reads.append(now[0])
+        return real_read_stat(pid, proc_root)
+
+    monkeypatch.setattr(duty, "read_stat", counted)
+    words = ctypes.create_string_buffer(struct.pack("<I", DUTY_ALWAYS), 8)
+    cycle = DutyCycle(budget=0.0, clock=lambda: now[0])
+    cycle.track(os.getpid(), ctypes.addressof(words) - DUTY_PPM_OFFSET)
+    always = replace(state(0), duty_ppm=DUTY_ALWAYS)
+    for second in range(100, 125):
+        now[0] = float(second)
+        cycle.update(os.getpid(), always)
+    assert reads == [100.0, 110.0, 120.0]
+
+    words.raw = struct.pack("<I", 500_000) + bytes(4)  # another daemon's budget
+    now[0] = 125.0
+    cycle.update(os.getpid(), replace(always, duty_ppm=500_000))
+    assert reads[-1] == 125.0
+    assert struct.unpack_from("<I", words.raw)[0] == DUTY_ALWAYS

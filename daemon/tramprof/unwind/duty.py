@@ -11,7 +11,10 @@ window once the daemon writes that duty cycle into the descriptor.
 
 The estimate is smoothed (the workload's call rate varies) and the duty
 cycle never goes below ``MIN_DUTY``, so even a process with a hot call path
-keeps some named samples.
+keeps some named samples. Without a budget nothing is controlled: the
+estimate is only exported, so it is measured every ``UNBUDGETED_SECONDS``,
+not at every refresh (a ``/proc/PID/stat`` read per runtime process a second
+was a tenth of a busy node's daemon CPU).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 MIN_ON_SECONDS = 0.05
 #: Duty changes smaller than this (in millionths) are not written.
 MIN_CHANGE_PPM = 5000
+#: Without a budget, seconds between two measurements of a process.
+UNBUDGETED_SECONDS = 10.0
 
 
 @dataclass
@@ -108,6 +113,9 @@ class DutyCycle:
         if proc is None:
             return
         now = self._clock()
+        if self.budget <= 0 and proc.last is not None and state.duty_ppm == proc.duty_ppm \
+                and now - proc.last_at < UNBUDGETED_SECONDS:
+            return  # nothing to control; a duty set by someone else is undone at once
         try:
             cpu = read_stat(pid, self._proc_root).cpu_ticks / CLOCK_TICKS
         except (OSError, ProcessGone, ValueError):
