@@ -165,3 +165,48 @@ def test_image_caches_jit_names_only_until_the_files_are_read_again(tmp_path):
     clock.now += 1.5
     assert image.resolve(0x8008) == "created_later"  # ...but on a miss, and then
     assert image.resolve(0x7008) == jit.perf_map.lookup(0x7008) == "recreated"
+
+
+def test_image_names_a_whole_stack_as_one_lookup_at_a_time_would(tmp_path):
+    """``name_frames`` answers from the caches in bulk and looks up the rest
+    one by one: the names, locations and counters of ``resolve`` and
+    ``locate``, and misses looked up again at every stack."""
+    from tramprof.model import FrameSource
+    from tramprof.symbols.elf import ElfCache
+    from tramprof.symbols.images import ProcessImage
+    from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
+
+    tmp = fake_process(tmp_path, 31, [31])
+    (tmp_path / "31" / "maps").write_text("7000-9000 r-xp 00000000 00:00 0\n")
+    path = tmp / "perf-31.map"
+    path.write_text("7000 10 first\n7010 10 second\n")
+    clock = Clock()
+    jit = JitSymbols(31, proc_root=str(tmp_path), clock=clock,
+                     limits=JitLimits(refresh_interval=1.0))
+    stats = SymbolizationStats()
+    image = ProcessImage(ProcessSymbolizer(31, ElfCache(), stats, proc_root=str(tmp_path),
+                                           anon_resolver=jit.resolve), jit)
+    stack = [0x7008, "[marker]", 0x8008, 0x7018, 0x7008]
+    names, sources = image.name_frames(stack)
+    assert names == ["first", "[marker]", "[anon]", "second", "first"]
+    assert sources == [FrameSource(0x7008), None, FrameSource(0x8008), FrameSource(0x7018),
+                       FrameSource(0x7008)]
+    assert image.name_frames(stack) == (names, sources)
+    # One object per address, shared by every stack that has it (from the
+    # stack after the one that read the perf map).
+    _, again = image.name_frames(stack)
+    assert all(a is b for a, b in zip(again, image.name_frames(stack)[1], strict=True))
+    # Four stacks of four JIT frames: every one counts as a lookup (cached
+    # ones date the index too); the miss is counted as unresolved each time.
+    assert (jit.lookups, jit.resolved) == (16, 12)
+    assert stats["anon_unresolved"] == 4
+
+    with path.open("a") as f:
+        f.write("8000 10 created_later\n7000 10 recreated\n")
+    clock.now += 1.5
+    # The miss reads the file again; the stack it is in keeps the names it
+    # was begun with, the next one has the new ones.
+    assert image.name_frames(stack)[0] == ["first", "[marker]", "created_later", "second",
+                                           "first"]
+    assert image.name_frames(stack)[0] == ["recreated", "[marker]", "created_later", "second",
+                                           "recreated"]

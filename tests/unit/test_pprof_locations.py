@@ -104,6 +104,21 @@ def test_a_real_process_image_locates_libc():
     assert image.locate(8) is None
 
 
+def test_a_real_process_image_names_a_stack_as_one_lookup_at_a_time_would():
+    libc = ctypes.CDLL(None)
+    stack = [ctypes.cast(f, ctypes.c_void_p).value for f in (libc.getpid, libc.qsort)]
+    stack += [NATIVE_GAP, 8]  # a marker, an address in no mapping
+    image = ProcessImage(symbolizer=ProcessSymbolizer(os.getpid(), ElfCache()))
+    names, sources = image.name_frames(stack)
+    one_by_one = ProcessImage(symbolizer=ProcessSymbolizer(os.getpid(), ElfCache()))
+    assert names == [a if isinstance(a, str) else one_by_one.resolve(a) for a in stack]
+    assert sources == [None if isinstance(a, str) else one_by_one.locate(a) for a in stack]
+    assert names[1] == "qsort" and names[3] == "[unknown]" and sources[3] is None
+    again_names, again_sources = image.name_frames(stack)
+    assert again_names == names
+    assert again_sources[0] is sources[0] and again_sources[1] is sources[1]
+
+
 def decode(profile: Profile):
     message = ProfileMessage()
     message.ParseFromString(gzip.decompress(encode_pprof(profile)))

@@ -9,8 +9,8 @@ frame's code is (address, mapping), for formats that keep addresses.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from functools import lru_cache
+from collections.abc import Callable, Sequence
+from functools import lru_cache, partial
 
 from tramprof.model import (
     KERNEL_LOST,
@@ -30,6 +30,11 @@ UserResolver = Callable[[int], str]
 KernelResolver = Callable[[int], str | None]
 # address -> where its code is; the user locator belongs to one process image.
 UserLocator = Callable[[int], FrameSource | None]
+# Leaf-first lookup addresses of one stack (markers are strings) -> their
+# names and where their code is, in the same order; belongs to one process
+# image (``ProcessImage.name_frames``).
+UserNamer = Callable[[Sequence[int | str]],
+                     tuple[Sequence[str], Sequence[FrameSource | None]]]
 Sources = tuple[FrameSource | None, ...]
 
 #: The kernel's text as one mapping, named as perf and pprof name it (tools
@@ -44,11 +49,13 @@ def _kernel_source(address: int) -> FrameSource:
     return FrameSource(address, KERNEL_MAPPING)
 
 
-def symbolize_user(addresses: list[int | str], resolve: UserResolver) -> list[str]:
-    """Names for leaf-first lookup addresses, returned root first."""
+def _one_by_one(resolve: UserResolver, locate: UserLocator | None,
+                addresses: Sequence[int | str]
+                ) -> tuple[list[str], list[FrameSource | None]]:
+    """A ``UserNamer`` from an address resolver and locator."""
     names = [a if isinstance(a, str) else resolve(a) for a in addresses]
-    names.reverse()
-    return names
+    sources = [None if isinstance(a, str) or locate is None else locate(a) for a in addresses]
+    return names, sources
 
 
 def symbolize_kernel(ips: tuple[int, ...], resolve: KernelResolver,
@@ -76,6 +83,14 @@ def located_frames(sample: RawSample, user: UserResolver | None,
                    ) -> tuple[tuple[str, ...], Sources]:
     """``stack_frames`` and, parallel to them, where each frame's code is
     (None for markers and where ``locate`` knows nothing)."""
+    namer = None if user is None else partial(_one_by_one, user, locate)
+    return named_frames(sample, namer, kernel, failures, stubs)
+
+
+def named_frames(sample: RawSample, user: UserNamer | None, kernel: KernelResolver,
+                 failures: Counter[str], stubs: Arenas | None = None,
+                 ) -> tuple[tuple[str, ...], Sources]:
+    """``located_frames`` with the user frames named by a whole stack at once."""
     frames: list[str] = []
     sources: list[FrameSource | None] = []
     if not sample.user_flags & layout.USTACK_NO_USER:
@@ -86,13 +101,9 @@ def located_frames(sample: RawSample, user: UserResolver | None,
             frames.append(PROCESS_EXITED)
             sources.append(None)
         else:
-            addresses = user_addresses(sample, stubs)
-            frames.extend(symbolize_user(addresses, user))
-            if locate is None:
-                sources.extend([None] * len(addresses))
-            else:
-                sources.extend([None if isinstance(a, str) else locate(a)
-                                for a in reversed(addresses)])
+            names, where = user(user_addresses(sample, stubs))
+            frames.extend(reversed(names))
+            sources.extend(reversed(where))
     ips = sample.kernel_ips
     if ips:
         frames.extend(symbolize_kernel(ips, kernel, failures))

@@ -24,7 +24,7 @@ from typing import Protocol
 from tramprof.config import Config
 from tramprof.inject.policy import AutoInjector
 from tramprof.model import RawSample, Stack
-from tramprof.pipeline.frames import UserLocator, UserResolver, located_frames
+from tramprof.pipeline.frames import UserNamer, named_frames
 from tramprof.pipeline.heap import HeapPolicy
 from tramprof.pipeline.stats import ProcessSamples, ProfilerStats
 from tramprof.procfs.events import open_event_source
@@ -33,6 +33,7 @@ from tramprof.sampler.program import Sampler, SamplerConfig
 from tramprof.symbols.images import ProcessImage, ProcessRegistry
 from tramprof.symbols.kallsyms import KernelSymbols
 from tramprof.symbols.perfmap import gc_paused
+from tramprof.unwind.arenas import Arenas
 from tramprof.unwind.chain import ChainMode
 from tramprof.unwind.descriptor import DUTY_ALWAYS
 from tramprof.unwind.mode import FOLLOW_EVERY, FP, MapWriter, UnwindModes
@@ -148,6 +149,9 @@ class Profiler:
         # pid -> the maps generation its unwinding modes last looked at.
         self._considered: dict[int, int] = {}
         self._sampled: dict[int, ProcessImage] = {}
+        # The last image a drain's samples named their frames with, and its
+        # stubs: samples come sorted by process image.
+        self._naming: tuple[tuple[int, int, int], str, ProcessImage, Arenas | None] | None = None
         self._next_mode_refresh = float("-inf")  # monotonic seconds
 
     def start(self) -> None:
@@ -287,6 +291,7 @@ class Profiler:
                     self.stats.symbolization_failures["internal_error"] += sample.count
                     log.exception("cannot symbolize a sample of pid %d", sample.tgid)
             del samples
+            self._naming = None
             sampled, self._sampled = self._sampled, {}
             for pid, image in sampled.items():
                 if not self.errors.backing_off(pid):
@@ -364,18 +369,24 @@ class Profiler:
         return out
 
     def _symbolize(self, sample: RawSample) -> Stack:
-        user: UserResolver | None = None
-        locate: UserLocator | None = None
+        user: UserNamer | None = None
         process = sample.comm
+        stubs = None
         if sample.user_frames:
-            process, image = self.registry.image(sample.tgid, sample.start_boottime_ns,
-                                                 sample.exec_id, sample.comm)
-            if image is not None:
-                user, locate = image.resolve, image.locate
-                self._sampled[sample.tgid] = image
-        frames, sources = located_frames(sample, user, locate, self.kernel.resolve,
-                                         self.stats.symbolization_failures,
-                                         self.unwinders.arenas(sample.tgid))
+            key = (sample.tgid, sample.start_boottime_ns, sample.exec_id)
+            if self._naming is not None and self._naming[0] == key:
+                _key, process, image, stubs = self._naming
+                user = image.name_frames
+            else:
+                process, found = self.registry.image(sample.tgid, sample.start_boottime_ns,
+                                                     sample.exec_id, sample.comm)
+                stubs = self.unwinders.arenas(sample.tgid)
+                if found is not None:
+                    user = found.name_frames
+                    self._sampled[sample.tgid] = found
+                    self._naming = (key, process, found, stubs)
+        frames, sources = named_frames(sample, user, self.kernel.resolve,
+                                       self.stats.symbolization_failures, stubs)
         return Stack(pid=sample.tgid, process=process, comm=sample.comm, frames=frames,
                      count=sample.count, sources=sources)
 

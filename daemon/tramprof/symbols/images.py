@@ -15,6 +15,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from tramprof.model import FrameSource, MappedFile, ProcessGone, SymbolizationError
 from tramprof.procfs.events import ProcessEvent
@@ -39,55 +40,98 @@ MAX_IMAGES = 2
 
 @dataclass
 class ProcessImage:
-    """One executable image of a process: its symbolizers and an address cache.
+    """One executable image of a process: its symbolizers and address caches.
 
-    Names from files are cached until an executable file mapping goes away
-    (an address may then hold other code: ``files_generation``); addresses
-    in mappings without code are not cached. JIT code is re-created at reused
-    addresses, so a name found in anonymous memory is cached only until the
-    process's JIT files are read again or its maps change (``_jit_key``):
-    until then the same lookup gives the same answer, and a Python process
-    under the runtime asks for the same few hundred stub addresses in every
-    stack of a drain.
+    Names and locations from files are cached until an executable file
+    mapping goes away (an address may then hold other code:
+    ``files_generation``); addresses in mappings without code are not
+    cached. JIT code is re-created at reused addresses, so what is found in
+    anonymous memory is cached only until the process's JIT files are read
+    again or its maps change (``_jit_key``): until then the same lookup gives
+    the same answer, and a Python process under the runtime asks for the same
+    few hundred stub addresses in every stack of a drain.
     """
 
     symbolizer: ProcessSymbolizer | None
     jit: JitSymbols | None = None
     names: dict[int, str] = field(default_factory=dict)
     jit_names: dict[int, str] = field(default_factory=dict)
-    _jit_key: tuple[int, int] = (-1, -1)  # (JIT epoch, maps generation) of jit_names
+    _jit_key: tuple[int, int] = (-1, -1)  # (JIT epoch, maps generation) of the jit_ caches
     _files_key: int = 0  # the symbolizer's files_generation of names and sources
     # Where frames' code is (see ``locate``): one object per address, shared
-    # by every stored sample that has it.
+    # by every stored sample that has it; file-backed in ``sources``, JIT
+    # code in ``jit_sources``.
     sources: dict[int, FrameSource] = field(default_factory=dict)
+    jit_sources: dict[int, FrameSource] = field(default_factory=dict)
     mapped_files: dict[Mapping, MappedFile] = field(default_factory=dict)
 
-    def resolve(self, addr: int) -> str:
+    def _validate_caches(self) -> ProcessSymbolizer | None:
+        """Empty the caches whose answers may be void now; the symbolizer."""
         symbolizer = self.symbolizer
-        if symbolizer is not None and symbolizer.files_generation != self._files_key:
-            # A file mapping went away: what was found by address is void
-            # (``locate`` is called after ``resolve``, so this covers it too).
+        if symbolizer is None:
+            return None
+        if symbolizer.files_generation != self._files_key:
+            # A file mapping went away: what was found by address is void.
             self._files_key = symbolizer.files_generation
             self.names.clear()
             self.sources.clear()
             self.mapped_files.clear()
+        key = self._current_jit_key(symbolizer)
+        if key != self._jit_key:
+            self._jit_key = key
+            self.jit_names.clear()
+            self.jit_sources.clear()
+        return symbolizer
+
+    def _current_jit_key(self, symbolizer: ProcessSymbolizer) -> tuple[int, int]:
+        return (self.jit.epoch if self.jit is not None else -1, symbolizer.maps_generation)
+
+    def name_frames(self, addresses: Sequence[int | str]
+                    ) -> tuple[list[str], list[FrameSource | None]]:
+        """``resolve`` and ``locate`` of every lookup address of one stack
+        (markers, strings, pass through unlocated). A drain names tens of
+        thousands of frames, nearly all cached: those are found in two passes
+        of dictionary lookups, only the rest one by one. The stack is named
+        with the caches as they were when it began: a lookup that reads the
+        JIT files or the maps again counts from the next stack."""
+        self._validate_caches()
+        # Markers are looked up too, and miss.
+        names = list(map(cast("dict[int | str, str]", self.names).get, addresses))
+        sources = list(map(cast("dict[int | str, FrameSource]", self.sources).get, addresses))
+        if None in names or None in sources:
+            jit_names, jit_sources = self.jit_names, self.jit_sources
+            jit_hits = 0
+            for at, addr in enumerate(addresses):
+                if names[at] is not None and sources[at] is not None:
+                    continue
+                if isinstance(addr, str):
+                    names[at] = addr
+                    continue
+                name, source = jit_names.get(addr), jit_sources.get(addr)
+                if name is not None and source is not None:
+                    jit_hits += 1
+                else:
+                    name, source = self.resolve(addr), self.locate(addr)
+                names[at], sources[at] = name, source
+            if jit_hits and self.jit is not None:
+                self.jit.count_cached_hit(jit_hits)
+        return cast(list[str], names), sources
+
+    def resolve(self, addr: int) -> str:
+        symbolizer = self._validate_caches()
         name = self.names.get(addr)
         if name is not None:
             return name
-        if self.symbolizer is None:
+        if symbolizer is None:
             return "[unknown]"
         jit = self.jit
         if jit is not None:
-            key = (jit.epoch, self.symbolizer.maps_generation)
-            if key != self._jit_key:
-                self.jit_names.clear()
-                self._jit_key = key
             name = self.jit_names.get(addr)
             if name is not None:
                 jit.count_cached_hit()
                 return name
-        name = self.symbolizer.resolve(addr)
-        mapping = self.symbolizer.mapping_for(addr)
+        name = symbolizer.resolve(addr)
+        mapping = symbolizer.mapping_for(addr)
         if mapping is None:
             return name
         if not mapping.is_anonymous:
@@ -97,7 +141,7 @@ class ProcessImage:
                 self.names.clear()
             self.names[addr] = name
         elif jit is not None and name != ANON and \
-                (jit.epoch, self.symbolizer.maps_generation) == self._jit_key:
+                self._current_jit_key(symbolizer) == self._jit_key:
             # Named by the JIT files as they were when this lookup began (a
             # lookup that re-read them, or the maps, is cached from the next);
             # a miss is not cached: it is counted, and looked up again.
@@ -109,35 +153,41 @@ class ProcessImage:
     def locate(self, addr: int) -> FrameSource | None:
         """Where the code at ``addr`` is: its mapping (file, offsets, build id)
         and, for JIT code with jitdump debug info, its source file and line.
-        Call after ``resolve`` (which loads the mapped object). A jitdump's
-        (file, line) is looked up every time (JIT code moves); the rest is
-        cached per address."""
+        Call after ``resolve`` (which loads the mapped object and empties
+        caches that may be void). Cached per address like names: JIT code's
+        (file, line) until the JIT files are read again."""
         source = self.sources.get(addr)
-        if source is not None and source.mapping is not None:
+        if source is not None:
             return source
-        if self.symbolizer is None:
+        symbolizer = self.symbolizer
+        if symbolizer is None:
             return None
-        mapping = self.symbolizer.mapping_for(addr)
+        mapping = symbolizer.mapping_for(addr)
         if mapping is None:
             return None
         if mapping.is_anonymous:
-            debug = self.jit.jitdump.debug_info(addr) if self.jit is not None else None
-            if debug is not None:
-                return FrameSource(addr, None, debug[0], debug[1])
+            source = self.jit_sources.get(addr)
             if source is not None:
                 return source
-            source = FrameSource(addr)
-        else:
-            mapped = self.mapped_files.get(mapping)
-            if mapped is None:
-                mapped = self.mapped_files[mapping] = MappedFile(
-                    mapping.display_path, mapping.start, mapping.end, mapping.offset,
-                    self.symbolizer.build_id_of(mapping))
-            source = FrameSource(addr, mapped)
-        if len(self.sources) >= MAX_CACHED_ADDRESSES:
-            self.sources.clear()
-            self.mapped_files.clear()
-        self.sources[addr] = source
+            debug = self.jit.jitdump.debug_info(addr) if self.jit is not None else None
+            source = FrameSource(addr) if debug is None else \
+                FrameSource(addr, None, debug[0], debug[1])
+            if self._current_jit_key(symbolizer) == self._jit_key:
+                if len(self.jit_sources) >= MAX_CACHED_ADDRESSES:
+                    self.jit_sources.clear()
+                self.jit_sources[addr] = source
+            return source
+        mapped = self.mapped_files.get(mapping)
+        if mapped is None:
+            mapped = self.mapped_files[mapping] = MappedFile(
+                mapping.display_path, mapping.start, mapping.end, mapping.offset,
+                symbolizer.build_id_of(mapping))
+        source = FrameSource(addr, mapped)
+        if mapping.is_exec:  # no code here now: maybe some later
+            if len(self.sources) >= MAX_CACHED_ADDRESSES:
+                self.sources.clear()
+                self.mapped_files.clear()
+            self.sources[addr] = source
         return source
 
 

@@ -144,12 +144,12 @@ class JitSymbols:
     def _lookup(self, addr: int) -> str | None:
         return self.perf_map.lookup(addr) or self.jitdump.lookup(addr)
 
-    def count_cached_hit(self) -> None:
-        """A name this index gave at its current ``epoch`` was reused from a
-        cache: counted as the lookup it stands for (``note_use`` dates the
+    def count_cached_hit(self, hits: int = 1) -> None:
+        """Names this index gave at its current ``epoch`` were reused from a
+        cache: counted as the lookups they stand for (``note_use`` dates the
         index by lookups)."""
-        self.lookups += 1
-        self.resolved += 1
+        self.lookups += hits
+        self.resolved += hits
 
     def resolve(self, mapping: Mapping, addr: int) -> str | None:
         """Name of the JIT code at ``addr`` (inside anonymous executable ``mapping``)."""

@@ -57,6 +57,12 @@ class Arenas:
         return self._ranges
 
     @property
+    def bounds(self) -> tuple[int, int]:
+        """``[start, end)`` around every arena (empty: ``(0, 0)``): a test
+        that rules out most addresses without a search."""
+        return (self._starts[0], self._ends[-1]) if self._ranges else (0, 0)
+
+    @property
     def size(self) -> int:
         """Bytes covered by all arenas."""
         return sum(e - s for s, e in self._ranges)

@@ -9,6 +9,9 @@ names the caller; trampoline frames are stub starts, looked up as they are.
 
 from __future__ import annotations
 
+from operator import itemgetter
+from typing import cast
+
 from tramprof.model import NATIVE_GAP, PYTHON_PAUSED, RawSample
 from tramprof.sampler import layout
 from tramprof.unwind.arenas import Arenas
@@ -24,29 +27,40 @@ def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
     ``NATIVE_GAP`` marker says native frames are missing. A sample taken while
     the runtime's duty cycle had its hook off ends in ``PYTHON_PAUSED``.
     """
-    native = [(sp, ip if i == 0 else ip - 1) for i, (ip, sp) in enumerate(sample.user_frames)]
+    frames = sample.user_frames
+    pcs = [ip - 1 for ip, _sp in frames]
+    if frames:
+        pcs[0] = frames[0][0]  # the leaf's pc is not a return address
+    lookups = cast(list[int | str], pcs)
     stopped = bool(sample.user_flags & layout.TABLE_STOP)
     if sample.user_flags & layout.PYTHON_PAUSED:
         # Stubs still on the stack would name some Python frames and not
         # others: none are named, one marker says why.
-        kept = [addr for _sp, addr in native if stubs is None or addr not in stubs]
+        kept = lookups if stubs is None else [a for a in lookups if a not in stubs]
         return kept + ([NATIVE_GAP] if stopped else []) + [PYTHON_PAUSED]
     if not sample.trampoline_frames or stubs is None:
         # The table walk stopped at code it has no rule for: say so at the root.
-        return [addr for _sp, addr in native] + ([NATIVE_GAP] if stopped else [])
-    native = [(sp, addr) for sp, addr in native if addr not in stubs]
+        return [*lookups, NATIVE_GAP] if stopped else lookups
+    low, high = stubs.bounds
+    native = [(sp, addr) for (_ip, sp), addr in zip(frames, pcs, strict=True)
+              if not low <= addr < high or addr not in stubs]
     reached = native[-1][0] if native else 0
     incomplete = stopped or bool(sample.user_flags & layout.USTACK_FAULT)
-    merged = sorted(native + [(sp, ip) for ip, sp in sample.trampoline_frames],
-                    key=lambda f: f[0])
+    merged = native + [(sp, ip) for ip, sp in sample.trampoline_frames]
+    merged.sort(key=_STACK_ADDRESS)
+    if not (incomplete and native):
+        return [addr for _sp, addr in merged]
     out: list[int | str] = []
     gap_marked = False
     for sp, addr in merged:
-        if incomplete and not gap_marked and native and sp > reached:
+        if not gap_marked and sp > reached:
             out.append(NATIVE_GAP)
             gap_marked = True
         out.append(addr)
     return out
+
+
+_STACK_ADDRESS = itemgetter(0)
 
 
 def is_truncated(sample: RawSample) -> bool:
