@@ -133,22 +133,29 @@ def test_memory_budget_evicts_the_least_recently_sampled_index(tmp_path):
     assert totals.counters[("perf_map", "lines_parsed")] == 400
 
 
+def jit_image(tmp_path: Path, pid: int, perf_map: str):
+    """A process image of a fake process with one anonymous executable
+    mapping and a perf map: (image, its JIT reader, perf map path, clock)."""
+    from tramprof.symbols.elf import ElfCache
+    from tramprof.symbols.images import ProcessImage
+    from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
+
+    tmp = fake_process(tmp_path, pid, [pid])
+    (tmp_path / str(pid) / "maps").write_text("7000-9000 r-xp 00000000 00:00 0\n")
+    path = tmp / f"perf-{pid}.map"
+    path.write_text(perf_map)
+    clock = Clock()
+    jit = JitSymbols(pid, proc_root=str(tmp_path), clock=clock,
+                     limits=JitLimits(refresh_interval=1.0))
+    symbolizer = ProcessSymbolizer(pid, ElfCache(), SymbolizationStats(),
+                                   proc_root=str(tmp_path), anon_resolver=jit.resolve)
+    return ProcessImage(symbolizer, jit), jit, path, clock
+
+
 def test_image_caches_jit_names_only_until_the_files_are_read_again(tmp_path):
     """A name found in anonymous memory is reused until the JIT files are read
     again: the same answer the lookup would give, at one dict lookup."""
-    from tramprof.symbols.elf import ElfCache
-    from tramprof.symbols.images import ProcessImage
-    from tramprof.symbols.usersyms import ProcessSymbolizer
-
-    tmp = fake_process(tmp_path, 30, [30])
-    (tmp_path / "30" / "maps").write_text("7000-9000 r-xp 00000000 00:00 0\n")
-    path = tmp / "perf-30.map"
-    path.write_text("7000 10 first\n")
-    clock = Clock()
-    jit = JitSymbols(30, proc_root=str(tmp_path), clock=clock,
-                     limits=JitLimits(refresh_interval=1.0))
-    image = ProcessImage(ProcessSymbolizer(30, ElfCache(), proc_root=str(tmp_path),
-                                           anon_resolver=jit.resolve), jit)
+    image, jit, path, clock = jit_image(tmp_path, 30, "7000 10 first\n")
     looked_up = []
     lookup = jit.perf_map.lookup
     jit.perf_map.lookup = lambda addr: looked_up.append(addr) or lookup(addr)  # type: ignore[method-assign]
@@ -172,20 +179,10 @@ def test_image_names_a_whole_stack_as_one_lookup_at_a_time_would(tmp_path):
     one by one: the names, locations and counters of ``resolve`` and
     ``locate``, and misses looked up again at every stack."""
     from tramprof.model import FrameSource
-    from tramprof.symbols.elf import ElfCache
-    from tramprof.symbols.images import ProcessImage
-    from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
 
-    tmp = fake_process(tmp_path, 31, [31])
-    (tmp_path / "31" / "maps").write_text("7000-9000 r-xp 00000000 00:00 0\n")
-    path = tmp / "perf-31.map"
-    path.write_text("7000 10 first\n7010 10 second\n")
-    clock = Clock()
-    jit = JitSymbols(31, proc_root=str(tmp_path), clock=clock,
-                     limits=JitLimits(refresh_interval=1.0))
-    stats = SymbolizationStats()
-    image = ProcessImage(ProcessSymbolizer(31, ElfCache(), stats, proc_root=str(tmp_path),
-                                           anon_resolver=jit.resolve), jit)
+    image, jit, path, clock = jit_image(tmp_path, 31, "7000 10 first\n7010 10 second\n")
+    assert image.symbolizer is not None
+    stats = image.symbolizer.stats
     stack = [0x7008, "[marker]", 0x8008, 0x7018, 0x7008]
     names, sources = image.name_frames(stack)
     assert names == ["first", "[marker]", "[anon]", "second", "first"]
