@@ -149,9 +149,9 @@ class Profiler:
         # pid -> the maps generation its unwinding modes last looked at.
         self._considered: dict[int, int] = {}
         self._sampled: dict[int, ProcessImage] = {}
-        # The last image a drain's samples named their frames with, and its
-        # stubs: samples come sorted by process image.
-        self._naming: tuple[tuple[int, int, int], str, ProcessImage, Arenas | None] | None = None
+        # The last process image a drain's samples were named with (its key,
+        # process name, namer and stubs): samples come sorted by image.
+        self._naming: tuple[tuple[int, int, int], str, UserNamer, Arenas | None] | None = None
         self._next_mode_refresh = float("-inf")  # monotonic seconds
 
     def start(self) -> None:
@@ -375,8 +375,7 @@ class Profiler:
         if sample.user_frames:
             key = (sample.tgid, sample.start_boottime_ns, sample.exec_id)
             if self._naming is not None and self._naming[0] == key:
-                _key, process, image, stubs = self._naming
-                user = image.name_frames
+                _key, process, user, stubs = self._naming
             else:
                 process, found = self.registry.image(sample.tgid, sample.start_boottime_ns,
                                                      sample.exec_id, sample.comm)
@@ -384,7 +383,7 @@ class Profiler:
                 if found is not None:
                     user = found.name_frames
                     self._sampled[sample.tgid] = found
-                    self._naming = (key, process, found, stubs)
+                    self._naming = (key, process, found.name_frames, stubs)
         frames, sources = named_frames(sample, user, self.kernel.resolve,
                                        self.stats.symbolization_failures, stubs)
         return Stack(pid=sample.tgid, process=process, comm=sample.comm, frames=frames,

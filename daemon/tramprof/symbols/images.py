@@ -15,7 +15,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypeVar, cast
 
 from tramprof.model import FrameSource, MappedFile, ProcessGone, SymbolizationError
 from tramprof.procfs.events import ProcessEvent
@@ -36,6 +36,18 @@ log = logging.getLogger(__name__)
 MAX_CACHED_ADDRESSES = 65536
 # Exec generations kept per process (a process that execs in a loop).
 MAX_IMAGES = 2
+
+
+_Value = TypeVar("_Value")
+
+
+def _remember(cache: dict[int, _Value], addr: int, value: _Value) -> bool:
+    """Cache ``value`` at ``addr``; a full cache is emptied first (False)."""
+    kept = len(cache) < MAX_CACHED_ADDRESSES
+    if not kept:
+        cache.clear()
+    cache[addr] = value
+    return kept
 
 
 @dataclass
@@ -137,17 +149,13 @@ class ProcessImage:
         if not mapping.is_anonymous:
             if not mapping.is_exec:  # no code here now: maybe some later
                 return name
-            if len(self.names) >= MAX_CACHED_ADDRESSES:
-                self.names.clear()
-            self.names[addr] = name
+            _remember(self.names, addr, name)
         elif jit is not None and name != ANON and \
                 self._current_jit_key(symbolizer) == self._jit_key:
             # Named by the JIT files as they were when this lookup began (a
             # lookup that re-read them, or the maps, is cached from the next);
             # a miss is not cached: it is counted, and looked up again.
-            if len(self.jit_names) >= MAX_CACHED_ADDRESSES:
-                self.jit_names.clear()
-            self.jit_names[addr] = name
+            _remember(self.jit_names, addr, name)
         return name
 
     def locate(self, addr: int) -> FrameSource | None:
@@ -173,9 +181,7 @@ class ProcessImage:
             source = FrameSource(addr) if debug is None else \
                 FrameSource(addr, None, debug[0], debug[1])
             if self._current_jit_key(symbolizer) == self._jit_key:
-                if len(self.jit_sources) >= MAX_CACHED_ADDRESSES:
-                    self.jit_sources.clear()
-                self.jit_sources[addr] = source
+                _remember(self.jit_sources, addr, source)
             return source
         mapped = self.mapped_files.get(mapping)
         if mapped is None:
@@ -183,11 +189,10 @@ class ProcessImage:
                 mapping.display_path, mapping.start, mapping.end, mapping.offset,
                 symbolizer.build_id_of(mapping))
         source = FrameSource(addr, mapped)
-        if mapping.is_exec:  # no code here now: maybe some later
-            if len(self.sources) >= MAX_CACHED_ADDRESSES:
-                self.sources.clear()
-                self.mapped_files.clear()
-            self.sources[addr] = source
+        # Only where there is code (none now: maybe some later). Emptying a
+        # full cache also forgets the mappings the old sources shared.
+        if mapping.is_exec and not _remember(self.sources, addr, source):
+            self.mapped_files.clear()
         return source
 
 
