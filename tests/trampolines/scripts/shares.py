@@ -1,6 +1,7 @@
 """Three call-heavy recursions with fixed shares of the work (a 50%, b 30%,
 c 20%), forever. Prints "ready"; then each "mark" line on stdin is answered
-with "<process CPU seconds> <rounds done>"; "stop" ends it."""
+with "<process CPU seconds> <rounds done>"; "off" and "on" deactivate and
+activate the trampoline runtime (answered with "ok"); "stop" ends it."""
 
 import sys
 import threading
@@ -38,6 +39,13 @@ def answer():
     for line in sys.stdin:
         if line.strip() == "mark":
             print(f"{time.process_time():.6f} {done[0]}", flush=True)
+        elif line.strip() in ("off", "on"):
+            import tramprof_trampolines
+            if line.strip() == "off":
+                tramprof_trampolines.deactivate()
+            else:
+                tramprof_trampolines.activate()
+            print("ok", flush=True)
         elif line.strip() == "stop":
             break
     stopping[0] = True
