@@ -17,7 +17,7 @@ def fake_process(proc: Path, pid: int, nstgid: list[int], uid: int | None = None
     uid = os.geteuid() if uid is None else uid
     (proc / str(pid) / "root" / "tmp").mkdir(parents=True)
     (proc / str(pid) / "status").write_text(
-        f"Name:\tapp\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
+        f"Name:\tapp\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nGid:\t0\t0\t0\t0\n"
         f"NStgid:\t{' '.join(map(str, nstgid))}\n")
     return proc / str(pid) / "root" / "tmp"
 

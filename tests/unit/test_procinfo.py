@@ -24,6 +24,7 @@ from tramprof.procfs.identity import (
     read_nstgid,
     read_start_ticks,
     read_stat,
+    read_status_ids,
 )
 
 
@@ -163,6 +164,19 @@ def test_nstgid(tmp_path: Path) -> None:
     assert read_nstgid(3, str(tmp_path)) == [4321]
 
 
+def test_status_ids_come_from_one_read(tmp_path: Path) -> None:
+    d = make_proc(tmp_path, 3)
+    (d / "status").write_bytes(
+        b"Name:\tUid: 0 0 0 0\nTgid:\t4321\nNStgid:\t4321\t17\n"
+        b"Uid:\t1000\t1001\t1000\t1001\nGid:\t50\t51\t50\t51\n"
+    )
+    ids = read_status_ids(3, str(tmp_path))
+    assert (ids.nstgid, ids.inner_pid, ids.euid, ids.egid) == ((4321, 17), 17, 1001, 51)
+    (d / "status").write_bytes(b"Name:\tx\nTgid:\t4321\nUid:\t0\t0\t0\t0\n")
+    with pytest.raises(ValueError, match="Gid"):
+        read_status_ids(3, str(tmp_path))
+
+
 def test_exe(tmp_path: Path) -> None:
     d = make_proc(tmp_path, 3)
     (d / "exe").symlink_to("/usr/bin/prog (deleted)")
@@ -182,7 +196,9 @@ def test_list_pids(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "reader", [read_stat, read_comm, read_cmdline, read_cgroup, read_nstgid, read_start_ticks]
+    "reader",
+    [read_stat, read_comm, read_cmdline, read_cgroup, read_nstgid, read_status_ids,
+     read_start_ticks],
 )
 def test_vanished_process_raises_process_gone(tmp_path: Path, reader: object) -> None:
     assert callable(reader)
@@ -209,6 +225,8 @@ def test_live_self() -> None:
     assert read_cmdline(pid) == sys.orig_argv
     assert read_comm(pid) == Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
     assert read_nstgid(pid)[0] == pid
+    ids = read_status_ids(pid)
+    assert (ids.nstgid[0], ids.euid, ids.egid) == (pid, os.geteuid(), os.getegid())
     assert read_cgroup(pid) != ""
     assert pid in list_pids()
 

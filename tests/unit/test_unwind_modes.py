@@ -69,7 +69,7 @@ def fake_proc(tmp_path: Path, arenas: list[int], named: list[int], anon_maps: li
     os.symlink(root, d / "root")
     uid = os.getuid()
     (d / "status").write_text(f"Name:\tpython3\nTgid:\t{PID}\nNStgid:\t{PID}\n"
-                              f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+                              f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\nGid:\t0\t0\t0\t0\n")
     lines = [f"{start:x}-{start + 0x10000:x} r-xp 00000000 00:00 0 \n" for start in anon_maps]
     lines.append("7f0000000000-7f0000100000 r-xp 00000000 fe:00 77 /usr/lib/libpython3.13.so\n")
     (d / "maps").write_text("".join(lines))

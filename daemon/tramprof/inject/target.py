@@ -23,7 +23,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
 from tramprof.model import SymbolizationError
-from tramprof.procfs.identity import read_nstgid, read_start_ticks
+from tramprof.procfs.identity import read_start_ticks, read_status_ids
 from tramprof.procfs.maps import Mapping, read_maps
 from tramprof.procfs.memory import MemoryReadError, read_memory
 from tramprof.symbols.safeopen import Refusal, open_mapping, open_untrusted
@@ -102,20 +102,6 @@ class Target:
             micro = (self.version_hex >> 8) & 0xFF
             return f"{self.version[0]}.{self.version[1]}.{micro}"
         return f"{self.version[0]}.{self.version[1]}"
-
-
-def _read_status_ids(pid: int, proc_root: str) -> tuple[int, int]:
-    with open(f"{proc_root}/{pid}/status", "rb") as f:
-        text = f.read(64 << 10)
-    uid = gid = None
-    for line in text.splitlines():
-        if line.startswith(b"Uid:"):
-            uid = int(line.split()[2])
-        elif line.startswith(b"Gid:"):
-            gid = int(line.split()[2])
-    if uid is None or gid is None:
-        raise ValueError(f"{proc_root}/{pid}/status has no Uid/Gid lines")
-    return uid, gid
 
 
 def _open_object(pid: int, mapping: Mapping, proc_root: str) -> BinaryIO:
@@ -322,8 +308,8 @@ def inspect(pid: int, proc_root: str = "/proc", *, for_off: bool = False) -> Tar
         raise Refused(SELF, "it is this tramprof process")
     try:
         mappings = read_maps(pid, proc_root)
-        euid, egid = _read_status_ids(pid, proc_root)
-        nspid = read_nstgid(pid, proc_root)[-1]
+        ids = read_status_ids(pid, proc_root)
+        euid, egid, nspid = ids.euid, ids.egid, ids.inner_pid
         start_ticks = read_start_ticks(pid, proc_root)
     except PermissionError as exc:
         raise Refused(PTRACE_DENIED, f"cannot read /proc/{pid}: {exc.strerror}") from exc

@@ -22,6 +22,7 @@ __all__ = [
     "ProcStat",
     "ProcessGone",
     "ProcessIdentity",
+    "StatusIds",
     "boottime_ns_to_ticks",
     "list_pids",
     "parse_stat",
@@ -34,6 +35,7 @@ __all__ = [
     "read_nstgid",
     "read_start_ticks",
     "read_stat",
+    "read_status_ids",
     "read_vdso_address",
 ]
 
@@ -266,31 +268,64 @@ def read_cgroup(pid: int, proc_root: str = "/proc") -> str:
     return ";".join(f"{controllers}:{path}" for controllers, path in v1)
 
 
+@dataclass(frozen=True, slots=True)
+class StatusIds:
+    """Who a process is, from one read of ``/proc/PID/status``: its pid in
+    each nested pid namespace (outermost first, the last as the process sees
+    itself) and its effective uid and gid (the owner its files must have)."""
+
+    nstgid: tuple[int, ...]
+    euid: int
+    egid: int
+
+    @property
+    def inner_pid(self) -> int:
+        """The pid as the process itself sees it (names its /tmp files)."""
+        return self.nstgid[-1]
+
+
+def _parse_status(data: bytes) -> tuple[list[int] | None, int | None, int | None]:
+    """(NStgid, or [Tgid] on kernels < 4.1; euid; egid), None where absent."""
+    nstgid = tgid = None
+    euid = egid = None
+    for line in data.splitlines():
+        if line.startswith(b"NStgid:"):
+            nstgid = [int(x) for x in line[len(b"NStgid:") :].split()]
+        elif line.startswith(b"Tgid:"):
+            tgid = [int(line[len(b"Tgid:") :])]
+        elif line.startswith(b"Uid:"):
+            euid = int(line.split()[2])
+        elif line.startswith(b"Gid:"):
+            egid = int(line.split()[2])
+    return nstgid or tgid, euid, egid
+
+
+def read_status_ids(pid: int, proc_root: str = "/proc") -> StatusIds:
+    """Namespace pids and effective ids in one read (a new process needs all)."""
+    nstgid, euid, egid = _parse_status(_read_bytes(pid, "status", proc_root))
+    if not nstgid or euid is None or egid is None:
+        raise ValueError(f"{proc_root}/{pid}/status lacks NStgid/Tgid, Uid or Gid")
+    return StatusIds(tuple(nstgid), euid, egid)
+
+
 def read_nstgid(pid: int, proc_root: str = "/proc") -> list[int]:
     """The process's pid in each nested pid namespace, outermost first.
 
     The last element is the pid as the process itself sees it (innermost
     namespace). Kernels without the ``NStgid`` line (< 4.1) give ``[Tgid]``.
     """
-    data = _read_bytes(pid, "status", proc_root)
-    tgid: list[int] | None = None
-    for line in data.splitlines():
-        if line.startswith(b"NStgid:"):
-            return [int(x) for x in line[len(b"NStgid:") :].split()]
-        if line.startswith(b"Tgid:"):
-            tgid = [int(line[len(b"Tgid:") :])]
-    if tgid is None:
+    nstgid, _, _ = _parse_status(_read_bytes(pid, "status", proc_root))
+    if not nstgid:
         raise ValueError(f"{proc_root}/{pid}/status has neither NStgid nor Tgid")
-    return tgid
+    return nstgid
 
 
 def read_euid(pid: int, proc_root: str = "/proc") -> int:
     """The process's effective uid (owner its JIT files must have)."""
-    data = _read_bytes(pid, "status", proc_root)
-    for line in data.splitlines():
-        if line.startswith(b"Uid:"):
-            return int(line.split()[2])
-    raise ValueError(f"{proc_root}/{pid}/status has no Uid line")
+    _, euid, _ = _parse_status(_read_bytes(pid, "status", proc_root))
+    if euid is None:
+        raise ValueError(f"{proc_root}/{pid}/status has no Uid line")
+    return euid
 
 
 _AT_SYSINFO_EHDR = 33

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tramprof.procfs.identity import read_euid, read_nstgid
+from tramprof.procfs.identity import read_status_ids
 from tramprof.procfs.maps import Mapping
 from tramprof.symbols.jitdump import JitDump
 from tramprof.symbols.perfmap import PerfMap
@@ -72,8 +72,8 @@ class JitSymbols:
         self.pid = pid
         self.limits = limits or JitLimits()
         self._clock = clock
-        nstgid = read_nstgid(pid, proc_root)[-1]
-        euid = read_euid(pid, proc_root)
+        ids = read_status_ids(pid, proc_root)
+        nstgid, euid = ids.inner_pid, ids.euid
         not_before = None
         if start_boottime_ns is not None:
             not_before = boot_time_realtime_ns() + start_boottime_ns - MTIME_SLACK_NS

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tramprof.model import SymbolizationError
-from tramprof.procfs.identity import read_euid, read_nstgid
+from tramprof.procfs.identity import read_status_ids
 from tramprof.procfs.maps import Mapping, read_maps
 from tramprof.procfs.memory import MemoryReadError, read_memory
 from tramprof.sampler import layout
@@ -141,10 +141,10 @@ class ScanMode:
         if not any(is_anon_exec(m) for m in mappings):
             return
         try:
-            inner = read_nstgid(pid, self._proc_root)[-1]
-            euid = read_euid(pid, self._proc_root)
+            ids = read_status_ids(pid, self._proc_root)
             cand = _Candidate()
-            cand.perf_map = PerfMap.for_process(pid, inner, euid, proc_root=self._proc_root,
+            cand.perf_map = PerfMap.for_process(pid, ids.inner_pid, ids.euid,
+                                                proc_root=self._proc_root,
                                                 on_entries=cand.collect, **_PERF_MAP_CAPS)
         except (OSError, IndexError, ValueError, SymbolizationError) as exc:
             log.debug("pid %d: cannot look for its perf map: %s", pid, exc)
