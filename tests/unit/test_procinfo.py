@@ -21,7 +21,6 @@ from tramprof.procfs.identity import (
     read_comm,
     read_exe,
     read_identity,
-    read_nstgid,
     read_start_ticks,
     read_stat,
     read_status_ids,
@@ -155,13 +154,14 @@ def test_cgroup(tmp_path: Path, content: str, expected: str) -> None:
 
 def test_nstgid(tmp_path: Path) -> None:
     d = make_proc(tmp_path, 3)
+    ids = b"Uid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\n"
     (d / "status").write_bytes(
         b"Name:\ta) b\nTgid:\t4321\nNgid:\t0\nPid:\t4321\n"
-        b"NStgid:\t4321\t17\t1\nNSpid:\t4321\t17\t1\n"
+        b"NStgid:\t4321\t17\t1\nNSpid:\t4321\t17\t1\n" + ids
     )
-    assert read_nstgid(3, str(tmp_path)) == [4321, 17, 1]
-    (d / "status").write_bytes(b"Name:\tx\nTgid:\t4321\nPid:\t4321\n")  # kernel < 4.1
-    assert read_nstgid(3, str(tmp_path)) == [4321]
+    assert read_status_ids(3, str(tmp_path)).nstgid == (4321, 17, 1)
+    (d / "status").write_bytes(b"Name:\tx\nTgid:\t4321\nPid:\t4321\n" + ids)  # kernel < 4.1
+    assert read_status_ids(3, str(tmp_path)).nstgid == (4321,)
 
 
 def test_status_ids_come_from_one_read(tmp_path: Path) -> None:
@@ -197,7 +197,7 @@ def test_list_pids(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "reader",
-    [read_stat, read_comm, read_cmdline, read_cgroup, read_nstgid, read_status_ids,
+    [read_stat, read_comm, read_cmdline, read_cgroup, read_status_ids,
      read_start_ticks],
 )
 def test_vanished_process_raises_process_gone(tmp_path: Path, reader: object) -> None:
@@ -224,7 +224,6 @@ def test_live_self() -> None:
     assert read_exe(pid) == os.path.realpath(sys.executable)
     assert read_cmdline(pid) == sys.orig_argv
     assert read_comm(pid) == Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
-    assert read_nstgid(pid)[0] == pid
     ids = read_status_ids(pid)
     assert (ids.nstgid[0], ids.euid, ids.egid) == (pid, os.geteuid(), os.getegid())
     assert read_cgroup(pid) != ""

@@ -29,10 +29,8 @@ __all__ = [
     "read_cgroup",
     "read_cmdline",
     "read_comm",
-    "read_euid",
     "read_exe",
     "read_identity",
-    "read_nstgid",
     "read_start_ticks",
     "read_stat",
     "read_status_ids",
@@ -284,48 +282,26 @@ class StatusIds:
         return self.nstgid[-1]
 
 
-def _parse_status(data: bytes) -> tuple[list[int] | None, int | None, int | None]:
-    """(NStgid, or [Tgid] on kernels < 4.1; euid; egid), None where absent."""
+def read_status_ids(pid: int, proc_root: str = "/proc") -> StatusIds:
+    """Namespace pids and effective ids in one read (a new process needs all).
+
+    Kernels without the ``NStgid`` line (< 4.1) give ``(Tgid,)``.
+    """
     nstgid = tgid = None
     euid = egid = None
-    for line in data.splitlines():
+    for line in _read_bytes(pid, "status", proc_root).splitlines():
         if line.startswith(b"NStgid:"):
-            nstgid = [int(x) for x in line[len(b"NStgid:") :].split()]
+            nstgid = tuple(int(x) for x in line[len(b"NStgid:") :].split())
         elif line.startswith(b"Tgid:"):
-            tgid = [int(line[len(b"Tgid:") :])]
+            tgid = (int(line[len(b"Tgid:") :]),)
         elif line.startswith(b"Uid:"):
             euid = int(line.split()[2])
         elif line.startswith(b"Gid:"):
             egid = int(line.split()[2])
-    return nstgid or tgid, euid, egid
-
-
-def read_status_ids(pid: int, proc_root: str = "/proc") -> StatusIds:
-    """Namespace pids and effective ids in one read (a new process needs all)."""
-    nstgid, euid, egid = _parse_status(_read_bytes(pid, "status", proc_root))
+    nstgid = nstgid or tgid
     if not nstgid or euid is None or egid is None:
         raise ValueError(f"{proc_root}/{pid}/status lacks NStgid/Tgid, Uid or Gid")
-    return StatusIds(tuple(nstgid), euid, egid)
-
-
-def read_nstgid(pid: int, proc_root: str = "/proc") -> list[int]:
-    """The process's pid in each nested pid namespace, outermost first.
-
-    The last element is the pid as the process itself sees it (innermost
-    namespace). Kernels without the ``NStgid`` line (< 4.1) give ``[Tgid]``.
-    """
-    nstgid, _, _ = _parse_status(_read_bytes(pid, "status", proc_root))
-    if not nstgid:
-        raise ValueError(f"{proc_root}/{pid}/status has neither NStgid nor Tgid")
-    return nstgid
-
-
-def read_euid(pid: int, proc_root: str = "/proc") -> int:
-    """The process's effective uid (owner its JIT files must have)."""
-    _, euid, _ = _parse_status(_read_bytes(pid, "status", proc_root))
-    if euid is None:
-        raise ValueError(f"{proc_root}/{pid}/status has no Uid line")
-    return euid
+    return StatusIds(nstgid, euid, egid)
 
 
 _AT_SYSINFO_EHDR = 33
