@@ -364,6 +364,7 @@ def measure(frequency: int, daemon: LoggedDaemon, args: argparse.Namespace) -> R
         result.window_samples.append(sum(int(line.rsplit(" ", 1)[1]) for line in folded))
     if args.py_spy:
         out = Path(args.py_spy) / f"daemon-{frequency}hz.folded"
+        out.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([str(Path(TRAMPROF).parent / "py-spy"), "record", "-p",
                         str(daemon.proc.pid), "-d", str(int(args.steady)), "-r", "100",
                         "-f", "raw", "-o", str(out), "--nonblocking"], check=True,

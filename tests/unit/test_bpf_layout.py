@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from tramprof.sampler import layout as bpf_layout
+from tramprof.sampler.drain import decode_user_stack
 from tramprof.sampler.program import bpf_source_dir, program_source
 
 STRUCTS = {
@@ -82,3 +83,22 @@ def test_counter_enum_matches_header():
     names = re.findall(r"^\s*TP_CNT_([A-Z_]+)", body, re.M)
     names.remove("MAX")
     assert names == [c.name for c in bpf_layout.Counter]
+
+
+def test_a_user_stack_is_decoded_from_its_bytes_as_its_fields_say():
+    """The drain decodes stored stacks from raw bytes, not through ctypes:
+    its offsets must be the structure's, and counts past the arrays are cut."""
+    stack = bpf_layout.UserStack(nr=3, flags=bpf_layout.USTACK_TRUNCATED, check=0xdead,
+                                 nr_tramp=2)
+    for i in range(3):
+        stack.frames[i] = bpf_layout.Frame(0x1000 + i, 0x7000 + i)
+    for i in range(2):
+        stack.tramp[i] = bpf_layout.Frame(0x2000 + i, 0x8000 + i)
+    assert decode_user_stack(memoryview(bytes(stack))) == (
+        ((0x1000, 0x7000), (0x1001, 0x7001), (0x1002, 0x7002)),
+        ((0x2000, 0x8000), (0x2001, 0x8001)),
+        bpf_layout.USTACK_TRUNCATED)
+
+    stack.nr, stack.nr_tramp = 1000, 1000  # a count the arrays cannot hold
+    frames, tramp, _flags = decode_user_stack(memoryview(bytes(stack)))
+    assert (len(frames), len(tramp)) == (bpf_layout.MAX_FRAMES, bpf_layout.MAX_TRAMP)

@@ -3,13 +3,14 @@
 Only unique (process, thread, kernel stack, user stack) keys cross to user
 space, with their counts, read and deleted in batches (a system call per
 thousand keys); user stacks are shared by many keys, so each is read once
-per drain.
+per drain, in batches too (a system call per ``USTACK_CHUNK`` stacks).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import struct
 from typing import Any
 
 from tramprof.model import RawSample
@@ -18,8 +19,12 @@ from tramprof.sampler import layout
 # tp_sample_key.kstack_id of a sample without a kernel part.
 NO_KSTACK = -1
 
+# User stacks read per system call: ~6 KiB each, so a chunk is ~1.5 MiB.
+USTACK_CHUNK = 256
+
 # (native frames, trampoline frames, flags) of one stored user stack.
 _UserStack = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int]
+_NO_STACK: _UserStack = ((), (), layout.USTACK_FAULT)
 
 
 def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
@@ -35,7 +40,7 @@ def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
         key = layout.CountKey.from_buffer_copy(raw)
         if key.buffer == buffer:
             entries.append((raw, key.sample, int.from_bytes(value, "little")))
-    user_cache: dict[int, _UserStack] = {}
+    user_stacks, user_keys = _read_user_stacks(ustacks, buffer)
     kernel_cache: dict[int, tuple[int, ...]] = {}
     samples = []
     for _raw, key, count in entries:
@@ -43,9 +48,7 @@ def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
         tramp: tuple[tuple[int, int], ...] = ()
         flags = layout.USTACK_NO_USER
         if key.ustack_hash:
-            if key.ustack_hash not in user_cache:
-                user_cache[key.ustack_hash] = _read_user_stack(ustacks, key.ustack_hash, buffer)
-            user, tramp, flags = user_cache[key.ustack_hash]
+            user, tramp, flags = user_stacks.get(key.ustack_hash, _NO_STACK)
         kernel: tuple[int, ...] = ()
         kernel_error = 0
         if key.kstack_id >= 0:
@@ -62,8 +65,8 @@ def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
 
     counts.delete_raw([raw for raw, _key, _count in entries])
     # Every stored stack of this buffer, also one no count refers to (its
-    # count did not fit): keys only, one call each, deleted in one call.
-    ustacks.delete_raw([bytes(k) for k in ustacks if k.buffer == buffer])
+    # count did not fit), deleted in one call.
+    ustacks.delete_raw(user_keys)
     for stack_id in kernel_cache:
         with contextlib.suppress(KeyError):
             del kstacks[kstacks.Key(stack_id)]
@@ -81,12 +84,26 @@ def _pairs(raw: memoryview, offset: int, count: int) -> tuple[tuple[int, int], .
     return tuple(zip(words[0::2], words[1::2], strict=True))
 
 
-def _read_user_stack(table: Any, stack_hash: int, buffer: int) -> _UserStack:
-    try:
-        stack = table[layout.UserStackKey(hash=stack_hash, buffer=buffer)]
-    except KeyError:
-        return (), (), layout.USTACK_FAULT
-    raw = memoryview(stack).cast("B")
-    frames = _pairs(raw, _FRAMES_AT, min(int(stack.nr), layout.MAX_FRAMES))
-    tramp = _pairs(raw, _TRAMP_AT, min(int(stack.nr_tramp), layout.MAX_TRAMP))
-    return frames, tramp, int(stack.flags)
+_USTACK_KEY = struct.Struct("<QI")  # UserStackKey: hash, buffer
+_USTACK_HEAD = struct.Struct("<II8xI")  # UserStack: nr, flags, (check), nr_tramp
+
+
+def _read_user_stacks(table: Any, buffer: int) -> tuple[dict[int, _UserStack], list[bytes]]:
+    """The stacks stored in ``buffer`` by hash, and their keys; the other
+    buffer's entries are read too (one pass over the map) and left alone."""
+    stacks: dict[int, _UserStack] = {}
+    keys: list[bytes] = []
+    for raw_key, raw in table.iter_raw(USTACK_CHUNK):
+        stack_hash, stack_buffer = _USTACK_KEY.unpack_from(raw_key)
+        if stack_buffer != buffer:
+            continue
+        keys.append(raw_key)
+        stacks[stack_hash] = decode_user_stack(raw)
+    return stacks, keys
+
+
+def decode_user_stack(raw: memoryview) -> _UserStack:
+    """One ``UserStack`` value's frames and flags, from its bytes."""
+    nr, flags, nr_tramp = _USTACK_HEAD.unpack_from(raw)
+    return (_pairs(raw, _FRAMES_AT, min(nr, layout.MAX_FRAMES)),
+            _pairs(raw, _TRAMP_AT, min(nr_tramp, layout.MAX_TRAMP)), flags)

@@ -283,16 +283,21 @@ class Table:
         return pairs
 
     def items_raw(self, chunk: int = 1024) -> list[tuple[bytes, bytes]]:
-        """Every (key, value) as bytes, ``chunk`` entries a system call
+        """Every (key, value) as bytes (see ``iter_raw``)."""
+        return [(key, bytes(value)) for key, value in self.iter_raw(chunk)]
+
+    def iter_raw(self, chunk: int = 1024) -> Iterator[tuple[bytes, memoryview]]:
+        """Every (key, value), ``chunk`` entries a system call
         (BPF_MAP_LOOKUP_BATCH) instead of two calls an entry; entries that
-        come or go meanwhile may or may not be in it. Without batch
-        operations in the kernel (before 5.6), one entry at a time."""
+        come or go meanwhile may or may not be in it. A value is a view of
+        its chunk's one copy, so reading a map of large values holds one
+        chunk, not the map. Without batch operations in the kernel (before
+        5.6), one entry at a time."""
         key_size, value_size = ctypes.sizeof(self.Key), ctypes.sizeof(self.Leaf)
         keys = ctypes.create_string_buffer(key_size * chunk)
         values = ctypes.create_string_buffer(value_size * chunk)
         # The position token: a bucket number for hash maps, a key for others.
         position, following = (ctypes.create_string_buffer(max(key_size, 8)) for _ in "ab")
-        pairs: list[tuple[bytes, bytes]] = []
         first = True
         while True:
             count = ctypes.c_uint32(chunk)
@@ -306,16 +311,19 @@ class Table:
                 continue
             if code and code != errno.ENOENT:
                 if first and code in _NO_BATCH:
-                    return [(bytes(k), bytes(v)) for k, v in self.items()]
+                    for key, value in self.items():
+                        yield bytes(key), memoryview(bytes(value))
+                    return
                 raise OSError(code, f"reading table {self.name.decode()}: "
                                     f"{os.strerror(code)}")
-            got_keys = keys.raw[:count.value * key_size]
-            got_values = values.raw[:count.value * value_size]
-            pairs.extend((got_keys[i * key_size:(i + 1) * key_size],
-                          got_values[i * value_size:(i + 1) * value_size])
-                         for i in range(count.value))
+            got = count.value
+            got_keys = ctypes.string_at(keys, got * key_size)
+            got_values = memoryview(ctypes.string_at(values, got * value_size))
+            for i in range(got):
+                yield (got_keys[i * key_size:(i + 1) * key_size],
+                       got_values[i * value_size:(i + 1) * value_size])
             if code == errno.ENOENT:  # that was the last of them
-                return pairs
+                return
             ctypes.memmove(position, following, len(position))
             first = False
 
