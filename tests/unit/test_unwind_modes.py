@@ -167,7 +167,7 @@ def publish(monkeypatch, published: list[Descriptor]) -> list[int]:
         return published[-1]
 
     monkeypatch.setattr(chain_module, "read_descriptor", read)
-    monkeypatch.setattr(chain_module, "read_changes", lambda pid, known, root: Changes(
+    monkeypatch.setattr(chain_module, "read_changes", lambda pid, known, root, memory: Changes(
         published[-1].generation, published[-1].duty))
     return reads
 

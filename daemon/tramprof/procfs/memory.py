@@ -12,6 +12,7 @@ or CAP_SYS_PTRACE.
 from __future__ import annotations
 
 import os
+import weakref
 
 # The largest single read: a CPython trampoline arena is 64 KiB, a vdso 8 KiB,
 # a descriptor 136 bytes and its arena table 16 bytes per arena.
@@ -34,23 +35,89 @@ def _open_mem(pid: int, address: int, flags: int, proc_root: str) -> tuple[int, 
         raise MemoryReadError(f"cannot open {path}: {exc.strerror}") from exc
 
 
-def read_memory(pid: int, address: int, size: int, proc_root: str = "/proc") -> bytes:
-    """Exactly ``size`` bytes at ``address`` of process ``pid``."""
+def _check_read(pid: int, size: int) -> None:
     if not 0 <= size <= MAX_READ_BYTES:
         raise MemoryReadError(f"refusing to read {size} bytes of process {pid}'s memory "
                               f"(at most {MAX_READ_BYTES})")
-    fd, path = _open_mem(pid, address, os.O_RDONLY, proc_root)
+
+
+def _pread(fd: int, path: str, address: int, size: int) -> bytes:
     try:
         data = os.pread(fd, size, address)
     except (OSError, OverflowError) as exc:
         raise MemoryReadError(f"cannot read {path} at {address:#x}: "
                               f"{getattr(exc, 'strerror', None) or exc}") from exc
-    finally:
-        os.close(fd)
     if len(data) != size:
         raise MemoryReadError(f"short read of {path} at {address:#x}: {len(data)} of "
                               f"{size} bytes")
     return data
+
+
+def read_memory(pid: int, address: int, size: int, proc_root: str = "/proc") -> bytes:
+    """Exactly ``size`` bytes at ``address`` of process ``pid``."""
+    _check_read(pid, size)
+    fd, path = _open_mem(pid, address, os.O_RDONLY, proc_root)
+    try:
+        return _pread(fd, path, address, size)
+    finally:
+        os.close(fd)
+
+
+def _close_all(fds: dict[int, tuple[int, str]]) -> None:
+    for fd, _path in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
+class OpenMemory:
+    """``read_memory`` for processes read again and again (a runtime's
+    descriptor, every second): their ``/proc/PID/mem`` stays open between
+    reads, at most ``max_open`` of them (the oldest is closed first).
+
+    An open file reads the address space it was opened on, never a later
+    one: after the process exits or execs, or its pid is reused, it reads
+    nothing. So a failed read through a file held from before is tried once
+    more on a fresh one, and a read goes to whatever process has the pid
+    now, as ``read_memory`` does.
+    """
+
+    def __init__(self, proc_root: str = "/proc", max_open: int = 1024) -> None:
+        self.proc_root = proc_root
+        self.max_open = max_open
+        self._fds: dict[int, tuple[int, str]] = {}  # pid -> (fd, path), oldest first
+        weakref.finalize(self, _close_all, self._fds)
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def read(self, pid: int, address: int, size: int) -> bytes:
+        """Exactly ``size`` bytes at ``address`` of process ``pid``."""
+        _check_read(pid, size)
+        held = self._fds.get(pid)
+        if held is not None:
+            try:
+                return _pread(*held, address, size)
+            except MemoryReadError:
+                self.forget(pid)
+        while len(self._fds) >= self.max_open:
+            self.forget(next(iter(self._fds)))
+        fd, path = _open_mem(pid, address, os.O_RDONLY, self.proc_root)
+        try:
+            data = _pread(fd, path, address, size)
+        except MemoryReadError:
+            os.close(fd)
+            raise
+        self._fds[pid] = (fd, path)
+        return data
+
+    def forget(self, pid: int) -> None:
+        """Close the process's file, if one is open."""
+        held = self._fds.pop(pid, None)
+        if held is not None:
+            os.close(held[0])
+
+    def close(self) -> None:
+        _close_all(self._fds)
 
 
 #: The largest single write: the only one written is a 4-byte control word.

@@ -75,7 +75,7 @@ class ChainMode:
                  python_overhead_budget: float = 0.0) -> None:
         self._maps = maps
         self._proc_root = proc_root
-        self._locator = DescriptorLocator()
+        self._locator = DescriptorLocator(proc_root=proc_root)
         #: Duty cycles of the runtimes that have one (ABI 2).
         self.duty = DutyCycle(python_overhead_budget, proc_root)
         self._procs: dict[int, ChainProcess] = {}
@@ -143,7 +143,8 @@ class ChainMode:
         known = self._procs.get(pid)
         try:
             if known is not None:
-                changes = read_changes(pid, known.descriptor, self._proc_root)
+                changes = read_changes(pid, known.descriptor, self._proc_root,
+                                       self._locator.memory)
                 if changes.generation == known.generation:
                     return changes.duty
             d = read_descriptor(pid, self._proc_root, self._locator)

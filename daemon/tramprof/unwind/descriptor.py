@@ -29,7 +29,7 @@ from elftools.elf.sections import SymbolTableSection
 
 from tramprof.model import SymbolizationError
 from tramprof.procfs.maps import Mapping, read_maps
-from tramprof.procfs.memory import MemoryReadError, read_memory
+from tramprof.procfs.memory import MemoryReadError, OpenMemory, read_memory
 from tramprof.symbols.safeopen import open_mapping
 from tramprof.unwind.arenas import Arenas
 
@@ -129,13 +129,15 @@ class Changes:
     duty: DutyState | None     # ABI 2 and later
 
 
-def read_changes(pid: int, known: Descriptor, proc_root: str = "/proc") -> Changes:
+def read_changes(pid: int, known: Descriptor, proc_root: str = "/proc",
+                 memory: OpenMemory | None = None) -> Changes:
     """The generation and duty words of a descriptor already read, in one read:
     unless the generation moved, nothing else needs reading (once a second for
-    every Python process on a node, this is most of what is read)."""
+    every Python process on a node, this is most of what is read: through
+    ``memory``, a file kept open, when given)."""
     end = DESCRIPTOR_SIZE if known.duty is not None else _GENERATION_OFFSET + _GENERATION.size
     raw = _read_mem(pid, known.address + _GENERATION_OFFSET, end - _GENERATION_OFFSET,
-                    proc_root)
+                    proc_root, memory)
     (generation,) = _GENERATION.unpack_from(raw)
     duty = _duty(raw, DESCRIPTOR_SIZE_V1 - _GENERATION_OFFSET) if known.duty is not None \
         else None
@@ -176,8 +178,11 @@ def _open_extension(pid: int, mapping: Mapping, proc_root: str) -> BinaryIO:
     return opened
 
 
-def _read_mem(pid: int, address: int, size: int, proc_root: str = "/proc") -> bytes:
+def _read_mem(pid: int, address: int, size: int, proc_root: str = "/proc",
+              memory: OpenMemory | None = None) -> bytes:
     try:
+        if memory is not None:
+            return memory.read(pid, address, size)
         return read_memory(pid, address, size, proc_root)
     except MemoryReadError as exc:
         raise DescriptorError(str(exc)) from exc
@@ -198,8 +203,10 @@ class DescriptorLocator:
     so all the processes of one runtime parse its symbol table once.
     """
 
-    def __init__(self, max_files: int = 64) -> None:
+    def __init__(self, max_files: int = 64, proc_root: str = "/proc") -> None:
         self.max_files = max_files
+        #: The processes' memory, held open for ``read_changes``.
+        self.memory = OpenMemory(proc_root)
         self._by_pid: dict[int, tuple[int, str]] = {}
         self._symbols: OrderedDict[_FileKey, tuple[int, int] | None] = OrderedDict()
 
@@ -211,6 +218,7 @@ class DescriptorLocator:
 
     def forget(self, pid: int) -> None:
         self._by_pid.pop(pid, None)
+        self.memory.forget(pid)
 
     def symbol(self, f: BinaryIO) -> tuple[int, int] | None:
         """``_dynsym_value`` of the opened extension, parsed once per file."""
