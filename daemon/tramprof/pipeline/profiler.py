@@ -54,6 +54,10 @@ ERROR_BACKOFF_SECONDS = 60.0
 # In between, each wake follows only the modes' newcomers (unwind.mode).
 MODE_REFRESH_SECONDS = 1.0
 MODE_REFRESH_SHARE = 0.05
+# Lifecycle events are read at least this often (seconds); the kernel keeps
+# thousands meanwhile (procfs.events: an 8 MiB receive buffer), and an
+# overflow is counted and answered by a /proc rescan.
+EVENTS_EVERY = 1.0
 
 
 def sampler_config(config: Config) -> SamplerConfig:
@@ -165,23 +169,23 @@ class Profiler:
         self.sampler.start(self.config.pids or None)
 
     def event_fds(self) -> list[int]:
-        """Descriptors to wait on: lifecycle events and newly sampled processes."""
-        fds = self.sampler.event_fds()
-        fd = self.events.fileno()
-        if fd is not None:
-            fds.append(fd)
-        return fds
+        """Descriptors to wait on: newly sampled processes. Lifecycle events
+        take effect after the next drain anyway: they are read on every wake
+        (at least every ``EVENTS_EVERY`` s), not woken for (a host starting
+        20 processes a second sends 60 a second)."""
+        return self.sampler.event_fds()
 
     def wait(self, timeout: float, wake_fds: Sequence[int] = ()) -> None:
-        """Sleep until ``timeout`` passes, a process event arrives or one of
-        ``wake_fds`` is readable, then handle events: a process sampled for the
-        first time must be looked at while it still runs, which may be only
-        milliseconds."""
+        """Sleep until ``timeout`` passes (at most ``EVENTS_EVERY``), a newly
+        sampled process shows up or one of ``wake_fds`` is readable, then
+        handle events: a process sampled for the first time must be looked
+        at while it still runs, which may be only milliseconds."""
         # poll, not select: descriptors past 1023 (a busy host's held
         # files push them there) are fine.
         ready = select.poll()
         for fd in (*self.event_fds(), *wake_fds):
             ready.register(fd, select.POLLIN)
+        timeout = min(timeout, EVENTS_EVERY)
         if self.unwinders.following():
             timeout = min(timeout, FOLLOW_EVERY)
         with contextlib.suppress(InterruptedError):
