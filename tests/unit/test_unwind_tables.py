@@ -267,3 +267,25 @@ def test_a_refresh_reworks_a_process_only_when_its_tables_change(
         assert looked_at == []
     finally:
         mode.close()
+
+
+def test_every_object_a_stack_passes_through_is_wanted(sleepers: list[int]) -> None:
+    """Frames that go back and forth between objects (libc, ld.so, libc, the
+    program) make each of them wanted, once."""
+    writer = RecordingWriter()
+    mode = TableMode(writer, 64 << 20)
+    pid = sleepers[0]
+    maps = read_maps(pid)
+    exec_files = [m for m in maps if m.is_exec and not m.is_anonymous and not m.is_special]
+    c_library = libc(maps)
+    loader = next(m for m in exec_files if m.basename.startswith("ld-linux"))
+    program = next(m for m in exec_files if m.basename == "sleep")
+    path = (c_library, c_library, loader, loader, c_library, program)
+    mode.consider(pid, maps)
+    mode.note_sample(RawSample(
+        tgid=pid, start_boottime_ns=0, exec_id=0, comm="sleep",
+        user_frames=tuple((m.start + 0x100 + i, 0x7FFF0000) for i, m in enumerate(path)),
+        user_flags=0, kernel_ips=(), trampoline_frames=(), kernel_error=0, count=1))
+    settle(mode, {pid})
+    tabled = {start for start, _end, _bias, _first, rows in writer.processes[pid] if rows}
+    assert tabled == {c_library.start, loader.start, program.start}

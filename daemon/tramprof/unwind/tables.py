@@ -243,11 +243,19 @@ class TableMode:
         if proc is None or not proc.starts:
             return
         now = self._now()
-        noted = proc.noted
+        noted, starts, mappings = proc.noted, proc.starts, proc.mappings
+        # Consecutive frames mostly lie in one object: that one is skipped
+        # without a search.
+        last_start = last_end = 0
         for i, (ip, _sp) in enumerate(sample.user_frames):
             pc = ip if i == 0 else ip - 1
-            at = bisect_right(proc.starts, pc) - 1
-            if at < 0 or at in noted or pc >= proc.mappings[at].end:
+            if last_start <= pc < last_end:
+                continue
+            at = bisect_right(starts, pc) - 1
+            if at < 0 or pc >= mappings[at].end:
+                continue
+            last_start, last_end = starts[at], mappings[at].end
+            if at in noted:
                 continue
             noted.add(at)
             key = proc.objects.get(at)
