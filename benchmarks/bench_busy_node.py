@@ -366,7 +366,7 @@ def measure(frequency: int, daemon: LoggedDaemon, args: argparse.Namespace) -> R
         out = Path(args.py_spy) / f"daemon-{frequency}hz.folded"
         out.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([str(Path(TRAMPROF).parent / "py-spy"), "record", "-p",
-                        str(daemon.proc.pid), "-d", str(int(args.steady)), "-r", "100",
+                        str(daemon.proc.pid), "-d", str(int(args.steady)), "-r", "1000",
                         "-f", "raw", "-o", str(out), "--nonblocking"], check=True,
                        stdout=subprocess.DEVNULL)
         print(f"py-spy profile of the daemon at {frequency} Hz: {out}", flush=True)

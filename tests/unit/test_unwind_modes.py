@@ -101,7 +101,7 @@ def test_scan_mode_learns_installs_and_follows_new_arenas(tmp_path):
     maps = RecordingMaps()
     scan = ScanMode(maps, str(proc))
     scan.consider(PID, mappings(proc))
-    assert scan.unwinds(PID)
+    assert scan.unwinds(PID) and scan.unwound() == {PID}
     record, arenas = maps.state[(PID, b"scan_procs")]
     assert isinstance(record, layout.ScanProc)
     assert (record.return_offset, record.stride_mask) == (10, STRIDE - 1)
@@ -131,7 +131,7 @@ def test_scan_mode_refuses_an_arena_whose_copies_differ(tmp_path):
     maps = RecordingMaps()
     scan = ScanMode(maps, str(proc))
     scan.consider(PID, mappings(proc))
-    assert not scan.unwinds(PID) and not maps.state
+    assert not scan.unwinds(PID) and not scan.unwound() and not maps.state
     assert scan.errors() == {"arena_bytes": 1}
     report = scan.report(PID)
     assert report.mode == FP and "arena_bytes" in report.detail and report.problem
@@ -189,7 +189,7 @@ def test_chain_mode_installs_once_active_and_grows_with_the_descriptor(runtime_m
     maps = RecordingMaps()
     chain = ChainMode(maps, str(runtime_mappings))
     chain.consider(PID, mappings(runtime_mappings))
-    assert not chain.unwinds(PID) and not maps.state
+    assert not chain.unwinds(PID) and not chain.unwound() and not maps.state
     assert "not active" in chain.report(PID).detail
 
     published.append(descriptor(True, [(ARENA, ARENA + 0x10000)], generation=2))
@@ -197,7 +197,7 @@ def test_chain_mode_installs_once_active_and_grows_with_the_descriptor(runtime_m
     record, arenas = maps.state[(PID, b"chain_procs")]
     assert arenas == {(ARENA, ARENA + 0x10000)}
     assert (record.tls_offset, record.stub_stride, record.record_self) == (-64, 32, 8)
-    assert chain.unwinds(PID) and ARENA + 8 in chain.arenas(PID)
+    assert chain.unwinds(PID) and chain.unwound() == {PID} and ARENA + 8 in chain.arenas(PID)
 
     published.append(descriptor(True, [(ARENA, ARENA + 0x10000), (ARENA + 0x20000,
                                                                    ARENA + 0x30000)], 3))

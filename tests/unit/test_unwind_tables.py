@@ -115,7 +115,7 @@ def test_one_table_per_object_shared_by_processes(sleepers: list[int]) -> None:
         assert m.start - bias == m.offset - next(
             o for o in mode.objects() if o.state == "loaded").segments[0][0] + next(
             o for o in mode.objects() if o.state == "loaded").segments[0][1]
-        assert mode.unwinds(pid)
+        assert mode.unwinds(pid) and pid in mode.unwound()
     assert mode.stats.objects_loaded == 1
     assert mode.stats.table_bytes == chunks_for(len(rows) // 8) * CHUNK_BYTES + 2 * PROC_BYTES
 
@@ -236,7 +236,7 @@ def test_exited_processes_are_forgotten(sleepers: list[int]) -> None:
         mode.refresh(set())
     finally:
         mode.close()
-    assert pid not in writer.processes and not mode.unwinds(pid)
+    assert pid not in writer.processes and not mode.unwinds(pid) and pid not in mode.unwound()
 
 
 def test_a_refresh_reworks_a_process_only_when_its_tables_change(

@@ -112,6 +112,11 @@ class ProcessErrors:
             return False
         return True
 
+    def backing_off_among(self, pids: set[int]) -> set[int]:
+        """Those of ``pids`` that are backing off (a look at the few that
+        failed, not at every process)."""
+        return {pid for pid in list(self._until) if pid in pids and self.backing_off(pid)}
+
     @contextlib.contextmanager
     def boundary(self, pid: int, stage: str, on_error: Callable[[], None] | None = None
                  ) -> Iterator[None]:
@@ -265,7 +270,7 @@ class Profiler:
         self.errors.forget_exited(live)
         for pid in [p for p in self._considered if p not in live]:
             del self._considered[pid]
-        healthy = {pid for pid in live if not self.errors.backing_off(pid)}
+        healthy = live - self.errors.backing_off_among(live)
         for pid in live - healthy:
             self.unwinders.forget(pid)
         try:

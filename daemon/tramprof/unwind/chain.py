@@ -88,6 +88,9 @@ class ChainMode:
         proc = self._procs.get(pid)
         return proc is not None and proc.active
 
+    def unwound(self) -> set[int]:
+        return {pid for pid, proc in self._procs.items() if proc.active}
+
     def arenas(self, pid: int) -> Arenas | None:
         proc = self._procs.get(pid)
         return proc.arenas if proc is not None and proc.active else None

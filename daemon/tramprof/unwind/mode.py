@@ -92,6 +92,9 @@ class UnwindMode(Protocol):
     def unwinds(self, pid: int) -> bool:
         """True while the BPF walker of this mode records ``pid``'s frames."""
 
+    def unwound(self) -> set[int]:
+        """Every pid ``unwinds`` is true for (a refresh asks for all at once)."""
+
     def arenas(self, pid: int) -> Arenas | None:
         """Where ``pid``'s stubs are, for the merge (None: not unwound here)."""
 
@@ -146,7 +149,7 @@ class UnwindModes:
         taken: set[int] = set()
         for mode in self.modes:
             mode.refresh(live - taken)
-            taken |= {pid for pid in live if mode.unwinds(pid)}
+            taken |= mode.unwound() & live
         for native in self.native:
             native.refresh(live)
 

@@ -120,6 +120,9 @@ class ScanMode:
     def unwinds(self, pid: int) -> bool:
         return pid in self._procs
 
+    def unwound(self) -> set[int]:
+        return set(self._procs)
+
     def arenas(self, pid: int) -> Arenas | None:
         proc = self._procs.get(pid)
         return proc.arenas if proc is not None else None

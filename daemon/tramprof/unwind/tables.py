@@ -308,6 +308,9 @@ class TableMode:
         proc = self._procs.get(pid)
         return proc is not None and bool(proc.installed)
 
+    def unwound(self) -> set[int]:
+        return {pid for pid, proc in self._procs.items() if proc.installed}
+
     def arenas(self, pid: int) -> Arenas | None:
         return None  # no stubs: the native frames themselves are exact
 
