@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -83,12 +84,27 @@ def test_a_process_that_exited_is_an_error_and_its_file_is_closed() -> None:
 
 
 def test_at_most_max_open_files_are_held() -> None:
+    """Past the bound, reads open and close as ``read_memory`` does; the
+    files held stay held (a refresh reads every process in turn)."""
     memory = OpenMemory(max_open=1)
     with child("one") as first, child("two") as second:
+        assert memory.read(first.pid, ADDRESS, 3) == b"one"
+        fds = _open_fds()
         for _ in range(2):
-            assert memory.read(first.pid, ADDRESS, 3) == b"one"
             assert memory.read(second.pid, ADDRESS, 3) == b"two"
-            assert len(memory) == 1
+            assert memory.read(first.pid, ADDRESS, 3) == b"one"
+            assert (len(memory), _open_fds()) == (1, fds)
+        memory.forget(first.pid)
+        assert memory.read(second.pid, ADDRESS, 3) == b"two"
+        assert (len(memory), _open_fds()) == (1, fds)  # second's now
+
+
+def test_the_default_bound_leaves_most_descriptors_free() -> None:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    bound = OpenMemory().max_open
+    assert 1 <= bound <= 1024
+    if soft != resource.RLIM_INFINITY:
+        assert bound <= max(1, soft // 8)
 
 
 def test_sizes_beyond_the_bound_are_refused_before_opening(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ or CAP_SYS_PTRACE.
 from __future__ import annotations
 
 import os
+import resource
 import weakref
 
 # The largest single read: a CPython trampoline arena is 64 KiB, a vdso 8 KiB,
@@ -69,10 +70,21 @@ def _close_all(fds: dict[int, tuple[int, str]]) -> None:
     fds.clear()
 
 
+def _default_max_open() -> int:
+    """An eighth of the descriptors this process may open, at most 1024:
+    the held files must never starve the daemon of descriptors (a systemd
+    service gets 1024 by default)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(1, min(1024, soft // 8))
+
+
 class OpenMemory:
     """``read_memory`` for processes read again and again (a runtime's
     descriptor, every second): their ``/proc/PID/mem`` stays open between
-    reads, at most ``max_open`` of them (the oldest is closed first).
+    reads, for at most ``max_open`` processes at a time (default: see
+    ``_default_max_open``); the others are read as ``read_memory`` does.
 
     An open file reads the address space it was opened on, never a later
     one: after the process exits or execs, or its pid is reused, it reads
@@ -81,9 +93,9 @@ class OpenMemory:
     now, as ``read_memory`` does.
     """
 
-    def __init__(self, proc_root: str = "/proc", max_open: int = 1024) -> None:
+    def __init__(self, proc_root: str = "/proc", max_open: int | None = None) -> None:
         self.proc_root = proc_root
-        self.max_open = max_open
+        self.max_open = _default_max_open() if max_open is None else max_open
         self._fds: dict[int, tuple[int, str]] = {}  # pid -> (fd, path), oldest first
         weakref.finalize(self, _close_all, self._fds)
 
@@ -99,8 +111,10 @@ class OpenMemory:
                 return _pread(*held, address, size)
             except MemoryReadError:
                 self.forget(pid)
-        while len(self._fds) >= self.max_open:
-            self.forget(next(iter(self._fds)))
+        if len(self._fds) >= self.max_open:
+            # Not one held file for another: a refresh reads every process in
+            # turn, and swapping would leave none of them held.
+            return read_memory(pid, address, size, self.proc_root)
         fd, path = _open_mem(pid, address, os.O_RDONLY, self.proc_root)
         try:
             data = _pread(fd, path, address, size)
