@@ -19,8 +19,8 @@ from tramprof.sampler import layout
 # tp_sample_key.kstack_id of a sample without a kernel part.
 NO_KSTACK = -1
 
-# User stacks read per system call: ~6 KiB each, so a chunk is ~1.5 MiB.
-USTACK_CHUNK = 256
+# User stacks read per system call: ~6 KiB each, so a chunk is ~400 KiB.
+USTACK_CHUNK = 64
 
 # (native frames, trampoline frames, flags) of one stored user stack.
 _UserStack = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int]

@@ -290,9 +290,10 @@ class Table:
         """Every (key, value), ``chunk`` entries a system call
         (BPF_MAP_LOOKUP_BATCH) instead of two calls an entry; entries that
         come or go meanwhile may or may not be in it. A value is a view of
-        its chunk's one copy, so reading a map of large values holds one
-        chunk, not the map. Without batch operations in the kernel (before
-        5.6), one entry at a time."""
+        the one buffer the chunks are read into, so reading a map of large
+        values holds one chunk, not the map: it is valid until the next
+        entry is asked for (copy what is kept). Without batch operations in
+        the kernel (before 5.6), one entry at a time."""
         key_size, value_size = ctypes.sizeof(self.Key), ctypes.sizeof(self.Leaf)
         keys = ctypes.create_string_buffer(key_size * chunk)
         values = ctypes.create_string_buffer(value_size * chunk)
@@ -318,7 +319,7 @@ class Table:
                                     f"{os.strerror(code)}")
             got = count.value
             got_keys = ctypes.string_at(keys, got * key_size)
-            got_values = memoryview(ctypes.string_at(values, got * value_size))
+            got_values = memoryview(values).cast("B")
             for i in range(got):
                 yield (got_keys[i * key_size:(i + 1) * key_size],
                        got_values[i * value_size:(i + 1) * value_size])
