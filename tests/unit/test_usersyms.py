@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 from tramprof.procfs.maps import Mapping
-from tramprof.symbols.elf import ElfCache
+from tramprof.symbols import elf as elf_module
+from tramprof.symbols.elf import ElfCache, ElfSymbols
 from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
 
 CSRC = Path(__file__).parent / "csrc"
@@ -147,6 +148,51 @@ def test_shared_elf_cache_parses_once(bins: dict[str, Path]) -> None:
         assert ProcessSymbolizer(p1.pid, cache, stats).resolve(leaf1) == "tramprof_unit_leaf"
         assert ProcessSymbolizer(p2.pid, cache, stats).resolve(leaf2) == "tramprof_unit_leaf"
     assert cache.misses == 1
+
+
+def test_names_found_in_one_process_are_shared_with_the_next(
+        bins: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second process of the same program finds the names the first one
+    found without looking in the symbol table; other addresses still look."""
+    cache, stats = ElfCache(), SymbolizationStats()
+    with running(bins["pie"]) as (p1, (leaf1, _)), \
+            running(bins["pie"]) as (p2, (leaf2, static2)):
+        assert ProcessSymbolizer(p1.pid, cache, stats).resolve(leaf1) == "tramprof_unit_leaf"
+
+        def looked_up(self: ElfSymbols, vaddr: int) -> str | None:
+            raise AssertionError("looked up in the symbol table")
+
+        monkeypatch.setattr(ElfSymbols, "resolve_vaddr", looked_up)
+        second = ProcessSymbolizer(p2.pid, cache, stats)
+        assert second.resolve(leaf2) == "tramprof_unit_leaf"
+        with pytest.raises(AssertionError, match="looked up"):
+            second.resolve(static2)
+
+
+def test_fallback_names_are_not_shared(bins: dict[str, Path], tmp_path: Path) -> None:
+    """The same stripped program under two names: each process's frames say
+    its own file name, and each is counted."""
+    other = tmp_path / "other_name"
+    shutil.copy(bins["pie_stripped"], other)
+    cache, stats = ElfCache(), SymbolizationStats()
+    vaddr = _funcs(bins["pie"])["tramprof_unit_leaf"]
+    with running(bins["pie_stripped"]) as (p1, (leaf1, _)), running(other) as (p2, (leaf2, _)):
+        assert ProcessSymbolizer(p1.pid, cache, stats).resolve(leaf1) == \
+            f"target_stripped+0x{vaddr:x}"
+        assert ProcessSymbolizer(p2.pid, cache, stats).resolve(leaf2) == f"other_name+0x{vaddr:x}"
+    assert stats["no_symbol"] == 2
+
+
+def test_shared_names_are_bounded(bins: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(elf_module, "MAX_SHARED_NAMES", 4)
+    cache = ElfCache()
+    obj = cache.get_path(bins["pie"])
+    for vaddr in range(5):
+        cache.share_name(obj, vaddr, f"f{vaddr}")
+    assert [cache.shared_name(obj, vaddr) for vaddr in range(5)] == [None] * 4 + ["f4"]
+    outside = ElfSymbols.from_path(bins["pie"])  # not the cache's: nothing shared
+    cache.share_name(outside, 1, "g")
+    assert cache.shared_name(outside, 1) is None
 
 
 def test_process_gone_before_first_resolve(bins: dict[str, Path]) -> None:
@@ -435,6 +481,28 @@ def test_live_stripped_program_named_from_its_debug_file_and_demangled(
         assert sym.stats.total() == 0
     finally:
         demangler.close()
+
+
+def test_a_name_left_mangled_is_not_shared(split_cxx: dict[str, Path]) -> None:
+    """A process whose demangler was unavailable keeps the mangled name; the
+    next process demangles it for itself."""
+    from tramprof.symbols.debuginfo import DebugInfo
+    from tramprof.symbols.demangle import Demangler
+
+    unavailable, working = Demangler(max_restarts=0), Demangler()
+    cache = ElfCache()
+    try:
+        with running(split_cxx["good"]) as (proc, addrs):
+            first = ProcessSymbolizer(proc.pid, cache, SymbolizationStats(),
+                                      debug_info=DebugInfo(), demangler=unavailable)
+            assert first.resolve(addrs[1]).startswith("_Z")
+            second = ProcessSymbolizer(proc.pid, cache, SymbolizationStats(),
+                                       debug_info=DebugInfo(), demangler=working)
+            assert second.resolve(addrs[1]) == "(anonymous namespace)::hidden_helper(int)"
+            assert first.resolve(addrs[2]) == "tramprof_unit_c_static_like"  # not mangled
+    finally:
+        unavailable.close()
+        working.close()
 
 
 def test_debug_file_failing_its_crc_is_refused_and_counted(split_cxx: dict[str, Path]) -> None:

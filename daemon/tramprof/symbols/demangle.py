@@ -172,6 +172,10 @@ class _CxxWorker:
                 pipe.close()
 
 
+#: How Itanium C++ (and legacy Rust) and Rust v0 mangled names begin.
+MANGLED_PREFIXES = ("_Z", "_R")
+
+
 class Demangler:
     """Demangles symbol names; shared by all symbolizers, thread-safe.
 
@@ -204,7 +208,7 @@ class Demangler:
     def demangle(self, name: str) -> str:
         """``name`` demangled, or ``name`` itself when it is not mangled or
         cannot be demangled."""
-        if not name.startswith(("_Z", "_R")):
+        if not name.startswith(MANGLED_PREFIXES):
             return name
         with self._lock:
             cached = self._cache.get(name)

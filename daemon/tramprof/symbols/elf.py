@@ -125,6 +125,7 @@ class ElfSymbols:
         "_names",
         "_starts",
         "build_id",
+        "cache_key",
         "debuglink",
         "elf_class",
         "elf_type",
@@ -159,6 +160,10 @@ class ElfSymbols:
         self._names = PackedNames(names)
         self.symbol_count = self._names.count()
         self._memory: int | None = None
+        #: What the shared ``ElfCache`` knows this object by (its build id, or
+        #: the file's identity), None outside it: names found in it are shared
+        #: under this key (``ElfCache.names``).
+        self.cache_key: str | None = None
 
     @classmethod
     def from_path(cls, path: str | os.PathLike[str]) -> ElfSymbols:
@@ -528,6 +533,11 @@ def stat_key(st: os.stat_result) -> str:
     return f"stat:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
 
+#: Function names by (object, address) shared by all processes: enough for
+#: the hot code of a few hundred objects; emptied when full.
+MAX_SHARED_NAMES = 1 << 16
+
+
 class ElfCache:
     """Bounded LRU of parsed ``ElfSymbols``, shared by all processes.
 
@@ -536,6 +546,12 @@ class ElfCache:
     st_mtime_ns). A stat-identity alias index lets a repeat visit skip even
     reading the build-id. Files that failed to parse are remembered too (by
     stat identity) so a broken binary is not re-parsed for every process.
+
+    The names found at addresses of its objects are shared too
+    (``shared_name``): a hundred processes of one program each meet its
+    addresses for the first time, and all but the first find the name there.
+    A key names one object's content, so a name stays right after the
+    object itself is evicted.
     """
 
     def __init__(self, max_entries: int = 512) -> None:
@@ -549,8 +565,24 @@ class ElfCache:
         # Files held open for a later parse, one per file however many
         # processes map it (a busy node held the same ld.so 200 times).
         self._held: weakref.WeakValueDictionary[str, BinaryIO] = weakref.WeakValueDictionary()
+        self._names: dict[tuple[str, int], str] = {}
         self.hits = 0
         self.misses = 0
+
+    def shared_name(self, obj: ElfSymbols, vaddr: int) -> str | None:
+        """The name another process found at ``vaddr`` of ``obj``, if any."""
+        key = obj.cache_key
+        return self._names.get((key, vaddr)) if key is not None else None
+
+    def share_name(self, obj: ElfSymbols, vaddr: int, name: str) -> None:
+        """Remember the final (demangled) name found at ``vaddr`` of ``obj``."""
+        key = obj.cache_key
+        if key is None:
+            return
+        names = self._names
+        if len(names) >= MAX_SHARED_NAMES:
+            names.clear()
+        names[(key, vaddr)] = name
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -560,6 +592,7 @@ class ElfCache:
             self._entries.clear()
             self._aliases.clear()
             self._failures.clear()
+            self._names.clear()
 
     def get_path(self, path: str | os.PathLike[str]) -> ElfSymbols:
         """Symbols of the file at ``path``; raises OSError or ElfError."""
@@ -648,6 +681,7 @@ class ElfCache:
         return entry
 
     def _insert(self, key: str, symbols: ElfSymbols) -> None:
+        symbols.cache_key = key
         self._entries[key] = symbols
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:

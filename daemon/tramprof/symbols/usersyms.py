@@ -25,7 +25,7 @@ from tramprof.procfs.identity import read_vdso_address
 from tramprof.procfs.maps import Mapping, process_exited, read_maps
 from tramprof.procfs.memory import read_memory
 from tramprof.symbols.debuginfo import DebugInfo, DebugTable
-from tramprof.symbols.demangle import Demangler
+from tramprof.symbols.demangle import MANGLED_PREFIXES, Demangler
 from tramprof.symbols.elf import ElfCache, ElfSymbols
 from tramprof.symbols.errors import ElfError
 from tramprof.symbols.safeopen import open_mapping
@@ -254,6 +254,9 @@ class ProcessSymbolizer:
         if vaddr is None:
             self.stats.incr(FailureReason.NO_SYMBOL)
             return f"{m.basename}+0x{file_offset:x}"
+        shared = self._cache.shared_name(obj, vaddr)
+        if shared is not None:
+            return shared
         name = None
         debug = self._debug_symbols(m, obj)
         if debug is not None:
@@ -263,7 +266,12 @@ class ProcessSymbolizer:
         if name is None:
             self.stats.incr(FailureReason.NO_SYMBOL)
             return f"{m.basename}+0x{vaddr:x}"
-        return self._demangler.demangle(name) if self._demangler is not None else name
+        demangled = self._demangler.demangle(name) if self._demangler is not None else name
+        if demangled is not name or not name.startswith(MANGLED_PREFIXES):
+            # Shared when final: a name left mangled (the demangler was
+            # unavailable) is looked up again, as it is in its own process.
+            self._cache.share_name(obj, vaddr, demangled)
+        return demangled
 
     def _debug_symbols(self, m: Mapping, obj: ElfSymbols) -> ElfSymbols | None:
         """The separate debug file's symbols of a stripped object, looked for
