@@ -271,7 +271,7 @@ def test_a_refresh_reworks_a_process_only_when_its_tables_change(
 
 def test_every_object_a_stack_passes_through_is_wanted(sleepers: list[int]) -> None:
     """Frames that go back and forth between objects (libc, ld.so, libc, the
-    program) make each of them wanted, once."""
+    program) and memory outside them make each of them wanted, once."""
     writer = RecordingWriter()
     mode = TableMode(writer, 64 << 20)
     pid = sleepers[0]
@@ -280,7 +280,8 @@ def test_every_object_a_stack_passes_through_is_wanted(sleepers: list[int]) -> N
     c_library = libc(maps)
     loader = next(m for m in exec_files if m.basename.startswith("ld-linux"))
     program = next(m for m in exec_files if m.basename == "sleep")
-    path = (c_library, c_library, loader, loader, c_library, program)
+    outside = next(m for m in maps if not m.is_exec)  # a gap for the table mode
+    path = (c_library, outside, c_library, loader, outside, loader, c_library, program)
     mode.consider(pid, maps)
     mode.note_sample(RawSample(
         tgid=pid, start_boottime_ns=0, exec_id=0, comm="sleep",

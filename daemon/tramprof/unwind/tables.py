@@ -244,15 +244,19 @@ class TableMode:
             return
         now = self._now()
         noted, starts, mappings = proc.noted, proc.starts, proc.mappings
-        # Consecutive frames mostly lie in one object: that one is skipped
-        # without a search.
-        last_start = last_end = 0
+        # Frames mostly lie in the object of the frame before, or alternate
+        # between one object and memory outside every object (a runtime's
+        # stubs between interpreter frames): the last object and the last
+        # gap between objects are recognised without a search.
+        last_start = last_end = gap_start = gap_end = 0
         for i, (ip, _sp) in enumerate(sample.user_frames):
             pc = ip if i == 0 else ip - 1
-            if last_start <= pc < last_end:
+            if last_start <= pc < last_end or gap_start <= pc < gap_end:
                 continue
             at = bisect_right(starts, pc) - 1
             if at < 0 or pc >= mappings[at].end:
+                gap_start = mappings[at].end if at >= 0 else 0
+                gap_end = starts[at + 1] if at + 1 < len(starts) else 1 << 64
                 continue
             last_start, last_end = starts[at], mappings[at].end
             if at in noted:
