@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from tramprof.sampler import layout as bpf_layout
-from tramprof.sampler.drain import decode_user_stack
+from tramprof.sampler.drain import decode_user_stack, decode_user_stack_key
 from tramprof.sampler.program import bpf_source_dir, program_source
 
 STRUCTS = {
@@ -98,6 +98,9 @@ def test_a_user_stack_is_decoded_from_its_bytes_as_its_fields_say():
         ((0x1000, 0x7000), (0x1001, 0x7001), (0x1002, 0x7002)),
         ((0x2000, 0x8000), (0x2001, 0x8001)),
         bpf_layout.USTACK_TRUNCATED)
+
+    key = bpf_layout.UserStackKey(hash=0x1234_5678_9ABC_DEF0, buffer=1)
+    assert decode_user_stack_key(bytes(key)) == (0x1234_5678_9ABC_DEF0, 1)
 
     stack.nr, stack.nr_tramp = 1000, 1000  # a count the arrays cannot hold
     frames, tramp, _flags = decode_user_stack(memoryview(bytes(stack)))

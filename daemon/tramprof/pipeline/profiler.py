@@ -55,8 +55,8 @@ ERROR_BACKOFF_SECONDS = 60.0
 MODE_REFRESH_SECONDS = 1.0
 MODE_REFRESH_SHARE = 0.05
 # Lifecycle events are read at least this often (seconds); the kernel keeps
-# thousands meanwhile (procfs.events: an 8 MiB receive buffer), and an
-# overflow is counted and answered by a /proc rescan.
+# thousands meanwhile (procfs.events: a receive buffer of up to 8 MiB), and
+# an overflow is counted and answered by a /proc rescan.
 EVENTS_EVERY = 1.0
 
 

@@ -130,9 +130,6 @@ class OpenMemory:
         if held is not None:
             os.close(held[0])
 
-    def close(self) -> None:
-        _close_all(self._fds)
-
 
 #: The largest single write: the only one written is a 4-byte control word.
 MAX_WRITE_BYTES = 64

@@ -94,12 +94,18 @@ def _read_user_stacks(table: Any, buffer: int) -> tuple[dict[int, _UserStack], l
     stacks: dict[int, _UserStack] = {}
     keys: list[bytes] = []
     for raw_key, raw in table.iter_raw(USTACK_CHUNK):
-        stack_hash, stack_buffer = _USTACK_KEY.unpack_from(raw_key)
+        stack_hash, stack_buffer = decode_user_stack_key(raw_key)
         if stack_buffer != buffer:
             continue
         keys.append(raw_key)
         stacks[stack_hash] = decode_user_stack(raw)
     return stacks, keys
+
+
+def decode_user_stack_key(raw: bytes) -> tuple[int, int]:
+    """One ``UserStackKey``'s (hash, buffer), from its bytes."""
+    stack_hash, stack_buffer = _USTACK_KEY.unpack_from(raw)
+    return stack_hash, stack_buffer
 
 
 def decode_user_stack(raw: memoryview) -> _UserStack:

@@ -162,7 +162,7 @@ class ElfSymbols:
         self._memory: int | None = None
         #: What the shared ``ElfCache`` knows this object by (its build id, or
         #: the file's identity), None outside it: names found in it are shared
-        #: under this key (``ElfCache.names``).
+        #: under this key (``ElfCache.shared_name``).
         self.cache_key: str | None = None
 
     @classmethod

@@ -246,7 +246,7 @@ class TableMode:
         noted, starts, mappings = proc.noted, proc.starts, proc.mappings
         # Frames mostly lie in the object of the frame before, or alternate
         # between one object and memory outside every object (a runtime's
-        # stubs between interpreter frames): the last object and the last
+        # trampolines between interpreter frames): the last object and the last
         # gap between objects are recognised without a search.
         last_start = last_end = gap_start = gap_end = 0
         for i, (ip, _sp) in enumerate(sample.user_frames):
