@@ -36,15 +36,18 @@ def _tramprof_inject(result_path, runtime_path, off, token):
 
     # Several threads may be asked at once (PEP 768): one claim wins, the
     # others return at once (dict.setdefault is atomic under the GIL).
+    key = CLAIM_PREFIX + token
     claim = object()
-    if sys.__dict__.setdefault(CLAIM_PREFIX + token, claim) is not claim:
+    if sys.__dict__.setdefault(key, claim) is not claim:
         return
+    reported = []
 
     def report(text):
         try:
             fd = os.open(result_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 os.write(fd, (text + "\n").encode("utf-8", "replace")[:2000])
+                reported.append(text)
             finally:
                 os.close(fd)
         except Exception:
@@ -108,6 +111,12 @@ def _tramprof_inject(result_path, runtime_path, off, token):
         report("failed: no trampolines for this interpreter (no runtime, no -X perf support)")
     except BaseException as exc:
         report("failed: %s: %s" % (type(exc).__name__, exc))
+    finally:
+        # Nothing reported (even report() needs a frame, which a run a frame
+        # short of the recursion limit does not have): the claim goes, so a
+        # later run, asked again, starts afresh. C calls only: no frame.
+        if not reported and sys.__dict__.get(key) is claim:
+            sys.__dict__.pop(key, None)
 
 
 _tramprof_inject(RESULT, RUNTIME, OFF, TOKEN)
@@ -116,21 +125,28 @@ _tramprof_inject(RESULT, RUNTIME, OFF, TOKEN)
 
 # The statement the target runs; it binds no name where it runs. When the
 # activation cannot even start - the interpreter ran it a frame or two short
-# of the recursion limit, or out of memory - the error is reported (unless a
-# thread claimed the activation; the failing thread claims it, so no other
-# starts it now) instead of reaching the target's code; the injector asks
-# again later, when the target runs elsewhere. Built-in calls only in the
-# handler: each Python call needs a frame.
+# of the recursion limit, or out of memory - the error is reported (unless
+# another thread claimed the activation; the failing thread claims it with
+# its thread id, so no other starts it now) instead of reaching the target's
+# code; the injector asks again later, when the target runs elsewhere. If
+# even the report fails, the claim is dropped, so a run asked again later
+# (PEP 768) can start. Built-in calls only in the handler: each Python call
+# needs a frame.
 _STATEMENT = """\
 try:
     exec(compile(SOURCE, '<tramprof-inject>', 'exec'), {'__name__': '__tramprof_inject__'})
 except BaseException:
     try:
-        if __import__('sys').__dict__.setdefault(CLAIM, 0) == 0:
+        if (__import__('sys').__dict__.setdefault(CLAIM, __import__('_thread').get_ident())
+                == __import__('_thread').get_ident()):
             __import__('io').FileIO(__import__('os').open(RESULT, FLAGS), 'w').write(
                 ('failed: %s\\n' % __import__('sys').exc_info()[0].__name__).encode())
     except BaseException:
-        pass
+        try:
+            if __import__('sys').__dict__.get(CLAIM) == __import__('_thread').get_ident():
+                del __import__('sys').__dict__[CLAIM]
+        except BaseException:
+            pass
 """
 
 
