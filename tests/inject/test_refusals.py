@@ -119,3 +119,60 @@ def test_injector_killed_midway_leaves_the_target_running(name: str, point: str,
     finally:
         output = finish(proc)
     assert output == reference
+
+
+# 3.14+: a timeout says whether any thread took the request.
+BLOCKED_IN_C = """\
+import sys
+print("ready", flush=True)
+sys.stdin.readline()                      # in C, without the GIL, until told
+print(sys.is_stack_trampoline_active(), flush=True)
+"""
+REFUSES_REMOTE_SCRIPTS = """\
+import sys, time
+
+def refuse(event, args):
+    if event == "cpython.remote_debugger_script":
+        raise PermissionError("no remote scripts here")
+
+sys.addaudithook(refuse)
+print("ready", flush=True)
+end = time.monotonic() + 4.0              # Python code all along: safe points
+while time.monotonic() < end:
+    sum(range(100))
+print(sys.is_stack_trampoline_active(), flush=True)
+"""
+
+
+def _start_script(name: str, source: str) -> tuple[subprocess.Popen[str], int]:
+    python = make_python("sid-3.14")
+    python.host_path(f"{python.workdir}/{name}.py").write_text(source)
+    proc, pid = python.start(f"{python.workdir}/{name}.py")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    return proc, pid
+
+
+def test_timeout_when_no_thread_reaches_a_safe_point(runtime_dir: Path) -> None:
+    proc, pid = _start_script("blocked", BLOCKED_IN_C)
+    try:
+        time.sleep(0.2)   # inside readline
+        result = inject(pid, timeout=1.5, runtimes=RuntimeStore(runtime_dir))
+    finally:
+        out, err = proc.communicate("go\n", timeout=60)
+    assert result.result == "timeout", result.render()
+    assert "no thread took the request" in result.detail, result.detail
+    # The withdrawn request does not run once the thread is back in Python.
+    assert (proc.returncode, out.split(), err) == (0, ["False"], "")
+
+
+def test_timeout_when_the_target_refuses_the_script(runtime_dir: Path) -> None:
+    proc, pid = _start_script("refusing", REFUSES_REMOTE_SCRIPTS)
+    try:
+        result = inject(pid, timeout=1.5, runtimes=RuntimeStore(runtime_dir))
+    finally:
+        out, err = proc.communicate(timeout=60)
+    assert result.result == "timeout", result.render()
+    assert "a thread took the request but the script reported nothing" in result.detail
+    assert (proc.returncode, out.split()) == (0, ["False"]), err[-3000:]
+    assert "Audit hook failed for remote debugger script" in err, err[-3000:]

@@ -22,7 +22,9 @@ pytestmark = [
 # 5 frames left, 3.11 fails to start the activation's own function (the
 # statement's handler reports it); with 8, the activation fails inside.
 # (With 3 or 4, even compiling the statement fails: the target prints the
-# error, nothing is reported, and the injection times out.)
+# error, nothing is reported, and the injection times out. 3.14 with 1 to 3
+# left takes the request and fails before anything can report: the threads
+# are asked again, until one runs it near the root.)
 TARGET = r"""
 import select, sys, time
 
@@ -94,3 +96,26 @@ def test_an_activation_that_cannot_start_leaves_the_target_running(runtime_dir) 
     assert proc.returncode == 0, err[-3000:]
     assert "SystemError" not in err, err[-3000:]
     assert out.split() == ["ready", str(sum(i * i for i in range(1000)))], out
+
+
+@pytest.mark.parametrize("headroom", [1, 3])
+def test_a_request_taken_where_nothing_can_report_is_asked_again(
+        headroom: int, runtime_dir, caplog: pytest.LogCaptureFixture) -> None:
+    python = make_python("sid-3.14")
+    script = python.host_path(f"{python.workdir}/deep.py")
+    script.write_text(TARGET.replace("HEADROOM", str(headroom)))
+    proc, pid = python.start(f"{python.workdir}/deep.py")
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "deep"
+        with caplog.at_level(logging.INFO, logger="tramprof.inject.injector"):
+            result = inject(pid, timeout=10.0)
+        assert result.ok, result.render()
+        asked_again = [r.getMessage() for r in caplog.records
+                       if "took the request but the script did not answer" in r.getMessage()]
+        assert asked_again, caplog.text
+        assert result.seconds > 1.0, result.render()   # answered back near the root
+        assert proc.stdout.readline().strip() == "ready"
+    finally:
+        output = finish(proc) if proc.poll() is None else ""
+    assert output.strip() == str(sum(i * i for i in range(1000)))

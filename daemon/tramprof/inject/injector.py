@@ -50,6 +50,9 @@ MAX_RUNTIME_BYTES = 16 << 20
 _WITHDRAW_GRACE = 0.1
 #: 3.14+: how long the main thread alone is given before every thread is asked.
 MAIN_THREAD_GRACE = 0.5
+#: 3.14+: then, how often every thread is asked again while no answer came
+#: (a request taken can fail before the script starts; see pep768).
+REASK_EVERY = 1.0
 #: Activation failures that tell where the activation happened to run, not
 #: what the target is: deep in a recursion, near its limit (a test of the
 #: recursion limit, a recursive parser), or short of memory for a moment.
@@ -135,6 +138,20 @@ def inject(pid: int, *, off: bool = False, timeout: float = 5.0,
     return result
 
 
+def _timeout_detail(timeout: float, method: str, none_taken: bool | None) -> str:
+    """Why no answer came, as far as the request's state tells."""
+    detail = f"the interpreter did not run the activation within {timeout:g} s"
+    if method != "pep768" or none_taken is None:
+        return (detail + " (it runs at the next point where the main thread executes "
+                "Python code)")
+    if none_taken:
+        return (detail + ": no thread took the request (each stayed in C code or waited "
+                "for the GIL the whole time)")
+    return (detail + ": a thread took the request but the script reported nothing (an "
+            "audit hook or open-code hook refused it, or it failed before its first line; "
+            "the target's stderr says which)")
+
+
 def _inject_once(pid: int, off: bool, timeout: float, runtimes: RuntimeStore | None,
                  proc_root: str) -> Result:
     began = time.monotonic()
@@ -158,6 +175,7 @@ def _inject_once(pid: int, off: bool, timeout: float, runtimes: RuntimeStore | N
                       version=version)
     method = "pep768" if target.version >= PEP768_FROM else "ptrace"
     stop = 0.0
+    none_taken: bool | None = None   # pep768: whether any asked thread took the request
     try:
         result_path = placed.write("result", b"", target.euid, target.egid)
         runtime_path = (placed.write(RUNTIME_NAME, runtime, target.euid, target.egid)
@@ -168,22 +186,30 @@ def _inject_once(pid: int, off: bool, timeout: float, runtimes: RuntimeStore | N
             remote = pep768.RemoteExec(target, proc_root)
             script = placed.write("activate.py", code.encode(), target.euid, target.egid)
             # The main thread first; every thread if it does not answer soon
-            # (it may be blocked in C).
+            # (it may be blocked in C), and again while no answer comes.
             remote.schedule_main(script)
-            asked_all = False
+            asked_all = taken = False
             try:
                 outcome = _wait_outcome(lambda: placed.read("result"),
                                         min(deadline, time.monotonic() + MAIN_THREAD_GRACE))
-                if outcome is None:
+                while outcome is None and time.monotonic() < deadline:
                     asked_all = True
-                    _asked, stop = remote.schedule(script, time.monotonic() + 0.5)
-                    outcome = _wait_outcome(lambda: placed.read("result"), deadline)
+                    again, stopped = remote.schedule(script, time.monotonic() + 0.5)
+                    stop += stopped
+                    if again:
+                        taken = True
+                        log.info("pid %d: %d thread(s) took the request but the script did not "
+                                 "answer (see the target's stderr); asked again", pid, again)
+                    outcome = _wait_outcome(lambda: placed.read("result"),
+                                            min(deadline, time.monotonic() + REASK_EVERY))
             finally:
                 with contextlib.suppress(OSError, ptrace.StepTimeout, MemoryReadError):
                     if asked_all:
-                        stop += remote.withdraw(time.monotonic() + 0.5)
+                        withdrawal = remote.withdraw(time.monotonic() + 0.5)
+                        stop += withdrawal.stop_seconds
+                        none_taken = withdrawal.none_taken and not taken
                     else:
-                        remote.withdraw_main()
+                        none_taken = remote.withdraw_main()
                     time.sleep(_WITHDRAW_GRACE)
         else:
             scheduled = hijack.schedule_pending_call(target, code)
@@ -211,9 +237,7 @@ def _inject_once(pid: int, off: bool, timeout: float, runtimes: RuntimeStore | N
         placed.remove()
     elapsed = time.monotonic() - began
     if outcome is None:
-        return Result(pid, TIMEOUT, f"the interpreter did not run the activation within "
-                      f"{timeout:g} s (it runs at the next point where the main thread, or "
-                      "for 3.14+ any thread, executes Python code)", method,
+        return Result(pid, TIMEOUT, _timeout_detail(timeout, method, none_taken), method,
                       version=version, stop_seconds=stop, seconds=elapsed)
     if outcome.status == "ok":
         detail = f"{outcome.mode} trampolines {'off' if off else 'on'}"

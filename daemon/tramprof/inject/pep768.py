@@ -20,6 +20,13 @@ so a main thread blocked in C does not hold activation back. Thread states
 are freed when threads exit, so they are written only while every thread is
 stopped (a few hundred microseconds, reported as the stop time), and the
 requests left over once the script ran are withdrawn the same way.
+
+A request taken is not a script run: CPython clears the request before it
+calls the audit hooks, opens the script and pushes its frame, and any of
+these fails a frame or two short of the recursion limit or out of memory
+(printed as an unraisable error in the target, nothing reported to us).
+So while no answer comes, the threads are asked again every
+``REASK_EVERY`` seconds (the injector's loop).
 """
 
 from __future__ import annotations
@@ -133,6 +140,22 @@ def write_memory(pid: int, address: int, data: bytes) -> None:
                       f"{pid}: {os.strerror(err)}")
 
 
+@dataclass(frozen=True)
+class Withdrawal:
+    """What withdrawing the requests found: a thread whose request is gone
+    took it (or exited), so "all still waiting" means no thread reached a
+    safe point, and "some taken" with no report means the script was stopped
+    inside the target (an audit or open-code hook, an unraisable error)."""
+
+    stop_seconds: float
+    asked: int      # threads asked that still exist
+    waiting: int    # of those, still holding the request
+
+    @property
+    def none_taken(self) -> bool:
+        return self.waiting == self.asked
+
+
 def _encoded(script_path: str) -> bytes:
     encoded = script_path.encode()
     if len(encoded) >= SCRIPT_PATH_SIZE or b"\0" in encoded:
@@ -146,6 +169,9 @@ class RemoteExec:
         self.proc_root = proc_root
         self.offsets = read_offsets(target, proc_root)
         self.interp = self._main_interpreter()
+        #: Thread states asked so far (a freed one's address may be reused
+        #: by a new thread, which then counts as asked: a rare overcount).
+        self.asked: set[int] = set()
         enabled = struct.unpack("<i", read_memory(
             target.pid, self.interp + self.offsets.remote_debug_enabled, 4, proc_root))[0]
         if enabled != 1:
@@ -196,13 +222,18 @@ class RemoteExec:
         if tstate == 0:
             raise Refused(UNSUPPORTED_VERSION, "the main thread state is not available")
         self._ask(tstate, _encoded(script_path))
+        self.asked.add(tstate)
         pause_point("scheduled")
 
-    def withdraw_main(self) -> None:
+    def withdraw_main(self) -> bool:
+        """Clear the main thread's request if it was not taken; whether it
+        was still waiting."""
         tstate = self.main_thread_state()
         if tstate and self._pending(tstate) == 1:
             write_memory(self.target.pid, tstate + self.offsets.remote_support
                          + self.offsets.pending_call, struct.pack("<i", 0))
+            return True
+        return False
 
     def _pending(self, tstate: int) -> int:
         address = tstate + self.offsets.remote_support + self.offsets.pending_call
@@ -210,25 +241,35 @@ class RemoteExec:
                                                    self.proc_root))[0])
 
     def schedule(self, script_path: str, deadline: float) -> tuple[int, float]:
-        """Ask every thread to run ``script_path``; (threads asked, seconds the
-        process was stopped)."""
+        """Ask every thread to run ``script_path``; (threads asked again after
+        they took an earlier request and the script did not answer, seconds
+        the process was stopped). Asking again is safe: the script claims the
+        activation once, later runs return at once."""
         encoded = _encoded(script_path)
         pid = self.target.pid
+        again = 0
         began = time.monotonic()
         with ptrace.stopped(pid, deadline):
             states = self.thread_states()
             for tstate in states:
-                self._ask(tstate, encoded)
+                again += tstate in self.asked and self._pending(tstate) != 1
+                self._ask(tstate, encoded)   # the stop bit again too: a handler
+                # that returned early (a signal's exception) may have cleared it
+            self.asked.update(states)
             pause_point("scheduled")
-        return len(states), time.monotonic() - began
+        return again, time.monotonic() - began
 
-    def withdraw(self, deadline: float) -> float:
-        """Clear the requests no thread has taken yet; seconds stopped."""
+    def withdraw(self, deadline: float) -> Withdrawal:
+        """Clear the requests no thread has taken yet."""
         o, pid = self.offsets, self.target.pid
         began = time.monotonic()
+        waiting = 0
         with ptrace.stopped(pid, deadline):
+            asked = 0
             for tstate in self.thread_states():
+                asked += tstate in self.asked
                 if self._pending(tstate) == 1:
+                    waiting += 1
                     write_memory(pid, tstate + o.remote_support + o.pending_call,
                                  struct.pack("<i", 0))
-        return time.monotonic() - began
+        return Withdrawal(time.monotonic() - began, asked, waiting)
