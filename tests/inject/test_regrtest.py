@@ -19,6 +19,12 @@ TESTS = ["test_generators", "test_coroutines", "test_exceptions", "test_threadin
 RUNNER = ("import os, runpy, sys; print('ready', flush=True); "
           "sys.argv = ['test', *sys.argv[1:]]; "
           "runpy.run_module('test', run_name='__main__', alter_sys=True)")
+# Left out: a CPython test that can hang by itself, in a child interpreter
+# the injection never touches. Its child recurses near the limit until a
+# thread interrupts it; when the interrupt's handler runs at the limit, it
+# raises RecursionError, which the child catches and recurses on, forever.
+# (Seen once here, in trixie's 3.13, under load; 0 of 56 runs alone.)
+IGNORED = ["--ignore", "test_print_exception_gh_102056"]
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: ptrace, chroots"),
@@ -35,7 +41,7 @@ def test_regrtest_passes_when_injected_mid_run(name: str, runtime_dir) -> None:
     probe.communicate(timeout=60)
     if probe.returncode != 0:
         pytest.skip(f"no CPython test suite in {name}")
-    proc, pid = python.start("-c", RUNNER, *TESTS)
+    proc, pid = python.start("-c", RUNNER, *IGNORED, *TESTS)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
@@ -45,7 +51,11 @@ def test_regrtest_passes_when_injected_mid_run(name: str, runtime_dir) -> None:
         # a test may keep it waiting in C (a join, a lock) for seconds, longer
         # on a loaded machine (one CI run: over the default 5 s).
         result = inject(pid, timeout=30.0, runtimes=RuntimeStore(runtime_dir))
-        assert result.ok, result.render()
+        if not result.ok:   # which test was running, and what the target said
+            proc.kill()
+            out, err = proc.communicate(timeout=60)
+            pytest.fail(f"{result.render()}\n--- stdout ---\n{out[-2000:]}\n"
+                        f"--- stderr ---\n{err[-3000:]}")
         out, err = proc.communicate(timeout=1200)
     finally:
         if proc.poll() is None:
