@@ -8,7 +8,7 @@ import logging
 import os
 
 import pytest
-from tramprof.inject.injector import inject
+from tramprof.inject.injector import Result, inject
 
 from .conftest import finish, make_python
 
@@ -54,12 +54,9 @@ print(sum(i * i for i in range(1000)))
 """
 
 
-# The two ways in: a ptrace-scheduled pending call (our runtime, 3.11) and
-# PEP 768 (CPython's trampolines, 3.14).
-@pytest.mark.parametrize("headroom", [5, 8])
-@pytest.mark.parametrize("name", ["host-3.11", "sid-3.14"])
-def test_an_activation_that_hit_the_recursion_limit_is_asked_again(
-        name: str, headroom: int, runtime_dir, caplog: pytest.LogCaptureFixture) -> None:
+def _activate_deep(name: str, headroom: int, caplog: pytest.LogCaptureFixture) -> Result:
+    """Inject into TARGET while it spins ``headroom`` frames short of the
+    recursion limit: it must be activated and then finish as usual."""
     python = make_python(name)
     script = python.host_path(f"{python.workdir}/deep.py")
     script.write_text(TARGET.replace("HEADROOM", str(headroom)))
@@ -70,12 +67,22 @@ def test_an_activation_that_hit_the_recursion_limit_is_asked_again(
         with caplog.at_level(logging.INFO, logger="tramprof.inject.injector"):
             result = inject(pid, timeout=10.0)
         assert result.ok, result.render()
-        retried = [r.getMessage() for r in caplog.records if "asking again" in r.getMessage()]
-        assert retried and "RecursionError" in retried[0], caplog.text
         assert proc.stdout.readline().strip() == "ready"
     finally:
         output = finish(proc) if proc.poll() is None else ""
     assert output.strip() == str(sum(i * i for i in range(1000)))
+    return result
+
+
+# The two ways in: a ptrace-scheduled pending call (our runtime, 3.11) and
+# PEP 768 (CPython's trampolines, 3.14).
+@pytest.mark.parametrize("headroom", [5, 8])
+@pytest.mark.parametrize("name", ["host-3.11", "sid-3.14"])
+def test_an_activation_that_hit_the_recursion_limit_is_asked_again(
+        name: str, headroom: int, runtime_dir, caplog: pytest.LogCaptureFixture) -> None:
+    _activate_deep(name, headroom, caplog)
+    retried = [r.getMessage() for r in caplog.records if "asking again" in r.getMessage()]
+    assert retried and "RecursionError" in retried[0], caplog.text
 
 
 def test_an_activation_that_cannot_start_leaves_the_target_running(runtime_dir) -> None:
@@ -101,21 +108,8 @@ def test_an_activation_that_cannot_start_leaves_the_target_running(runtime_dir) 
 @pytest.mark.parametrize("headroom", [1, 3])
 def test_a_request_taken_where_nothing_can_report_is_asked_again(
         headroom: int, runtime_dir, caplog: pytest.LogCaptureFixture) -> None:
-    python = make_python("sid-3.14")
-    script = python.host_path(f"{python.workdir}/deep.py")
-    script.write_text(TARGET.replace("HEADROOM", str(headroom)))
-    proc, pid = python.start(f"{python.workdir}/deep.py")
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "deep"
-        with caplog.at_level(logging.INFO, logger="tramprof.inject.injector"):
-            result = inject(pid, timeout=10.0)
-        assert result.ok, result.render()
-        asked_again = [r.getMessage() for r in caplog.records
-                       if "took the request but the script did not answer" in r.getMessage()]
-        assert asked_again, caplog.text
-        assert result.seconds > 1.0, result.render()   # answered back near the root
-        assert proc.stdout.readline().strip() == "ready"
-    finally:
-        output = finish(proc) if proc.poll() is None else ""
-    assert output.strip() == str(sum(i * i for i in range(1000)))
+    result = _activate_deep("sid-3.14", headroom, caplog)
+    asked_again = [r.getMessage() for r in caplog.records
+                   if "took the request but the script did not answer" in r.getMessage()]
+    assert asked_again, caplog.text
+    assert result.seconds > 1.0, result.render()   # answered back near the root
