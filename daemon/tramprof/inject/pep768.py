@@ -17,14 +17,15 @@ the script at its next safe point, with the GIL.
 Unlike ``sys.remote_exec``, every thread of the main interpreter is asked
 (the script is idempotent): whichever reaches a safe point first runs it,
 so a main thread blocked in C does not hold activation back. Thread states
-are freed when threads exit, so they are written only while every thread is
-stopped (a few hundred microseconds, reported as the stop time), and the
-requests left over once the script ran are withdrawn the same way.
+are freed when threads exit, and ``eval_breaker`` is updated by the target's
+own threads and signal handlers, so requests are written only while every
+thread is stopped (a few hundred microseconds, reported as the stop time),
+and the requests left over once the script ran are withdrawn the same way.
 
 A request taken is not a script run: CPython clears the request before it
 calls the audit hooks, opens the script and pushes its frame, and any of
 these fails a frame or two short of the recursion limit or out of memory
-(printed as an unraisable error in the target, nothing reported to us).
+(the target prints an unraisable error; nothing reaches the injector).
 So while no answer comes, the threads are asked again every
 ``REASK_EVERY`` seconds (the injector's loop).
 """
@@ -205,6 +206,7 @@ class RemoteExec:
         return _word(self.target.pid, self.interp + self.offsets.threads_main, self.proc_root)
 
     def _ask(self, tstate: int, encoded: bytes) -> None:
+        """Write one thread's request (every thread stopped: see schedule_main)."""
         o, pid = self.offsets, self.target.pid
         support = tstate + o.remote_support
         write_memory(pid, support + o.script_path, encoded + b"\0")
@@ -213,17 +215,25 @@ class RemoteExec:
         value = _word(pid, breaker, self.proc_root)
         write_memory(pid, breaker, struct.pack("<Q", value | PLEASE_STOP_BIT))
 
-    def schedule_main(self, script_path: str) -> None:
-        """Ask the main thread only (its thread state lives as long as the
-        interpreter: no stop needed). Preferred: the script's own frames then
-        pass on the main thread's stack, not on a worker's, where scan mode
-        could take their stale return addresses for frames."""
+    def schedule_main(self, script_path: str, deadline: float) -> float:
+        """Ask the main thread only; seconds the process was stopped.
+        Preferred: the script's own frames then pass on the main thread's
+        stack, not on a worker's, where scan mode could take their stale
+        return addresses for frames. Its thread state lives as long as the
+        interpreter, but its ``eval_breaker`` is also set by other threads
+        and by signal handlers: a read-modify-write while they run could
+        drop their bit (a signal's Python handler would then wait for the
+        next signal), so every thread is stopped for it."""
         tstate = self.main_thread_state()
         if tstate == 0:
             raise Refused(UNSUPPORTED_VERSION, "the main thread state is not available")
-        self._ask(tstate, _encoded(script_path))
-        self.asked.add(tstate)
-        pause_point("scheduled")
+        encoded = _encoded(script_path)
+        began = time.monotonic()
+        with ptrace.stopped(self.target.pid, deadline):
+            self._ask(tstate, encoded)
+            self.asked.add(tstate)
+            pause_point("scheduled")
+        return time.monotonic() - began
 
     def withdraw_main(self) -> bool:
         """Clear the main thread's request if it was not taken; whether it
