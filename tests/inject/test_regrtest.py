@@ -24,7 +24,8 @@ RUNNER = ("import os, runpy, sys; print('ready', flush=True); "
 # thread interrupts it; when the interrupt's handler runs at the limit, it
 # raises RecursionError, which the child catches and recurses on, forever.
 # (Seen once here, in trixie's 3.13, under load; 0 of 56 runs alone.)
-IGNORED = ["--ignore", "test_print_exception_gh_102056"]
+# -W: a failed test's own output is printed (the failure says which and how).
+OPTIONS = ["-W", "--ignore", "test_print_exception_gh_102056"]
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: ptrace, chroots"),
@@ -41,7 +42,7 @@ def test_regrtest_passes_when_injected_mid_run(name: str, runtime_dir) -> None:
     probe.communicate(timeout=60)
     if probe.returncode != 0:
         pytest.skip(f"no CPython test suite in {name}")
-    proc, pid = python.start("-c", RUNNER, *IGNORED, *TESTS)
+    proc, pid = python.start("-c", RUNNER, *OPTIONS, *TESTS)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
@@ -61,8 +62,10 @@ def test_regrtest_passes_when_injected_mid_run(name: str, runtime_dir) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, (out[-3000:], err[-3000:])
-    assert "Tests result: SUCCESS" in out, out[-4000:]
+    if proc.returncode != 0 or "Tests result: SUCCESS" not in out:
+        # In full (an assertion's message would be cut): which test failed, how.
+        pytest.fail(f"regrtest exited with {proc.returncode}\n--- stdout ---\n{out[-4000:]}\n"
+                    f"--- stderr ---\n{err[-8000:]}")
     # The trampolines were really on while the rest ran: their perf map names
     # functions of the tests that ran after the injection.
     perf_maps = list(python.host_path("/tmp").glob("perf-*.map"))
