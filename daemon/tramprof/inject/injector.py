@@ -187,7 +187,7 @@ def _inject_once(pid: int, off: bool, timeout: float, runtimes: RuntimeStore | N
             script = placed.write("activate.py", code.encode(), target.euid, target.egid)
             # The main thread first; every thread if it does not answer soon
             # (it may be blocked in C), and again while no answer comes.
-            stop = remote.schedule_main(script, time.monotonic() + 0.5)
+            _again, stop = remote.schedule(script, time.monotonic() + 0.5, main_only=True)
             asked_all = taken = False
             try:
                 outcome = _wait_outcome(lambda: placed.read("result"),

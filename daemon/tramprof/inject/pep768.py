@@ -206,7 +206,7 @@ class RemoteExec:
         return _word(self.target.pid, self.interp + self.offsets.threads_main, self.proc_root)
 
     def _ask(self, tstate: int, encoded: bytes) -> None:
-        """Write one thread's request (every thread stopped: see schedule_main)."""
+        """Write one thread's request (every thread stopped: see schedule)."""
         o, pid = self.offsets, self.target.pid
         support = tstate + o.remote_support
         write_memory(pid, support + o.script_path, encoded + b"\0")
@@ -214,26 +214,6 @@ class RemoteExec:
         breaker = tstate + o.eval_breaker
         value = _word(pid, breaker, self.proc_root)
         write_memory(pid, breaker, struct.pack("<Q", value | PLEASE_STOP_BIT))
-
-    def schedule_main(self, script_path: str, deadline: float) -> float:
-        """Ask the main thread only; seconds the process was stopped.
-        Preferred: the script's own frames then pass on the main thread's
-        stack, not on a worker's, where scan mode could take their stale
-        return addresses for frames. Its thread state lives as long as the
-        interpreter, but its ``eval_breaker`` is also set by other threads
-        and by signal handlers: a read-modify-write while they run could
-        drop their bit (a signal's Python handler would then wait for the
-        next signal), so every thread is stopped for it."""
-        tstate = self.main_thread_state()
-        if tstate == 0:
-            raise Refused(UNSUPPORTED_VERSION, "the main thread state is not available")
-        encoded = _encoded(script_path)
-        began = time.monotonic()
-        with ptrace.stopped(self.target.pid, deadline):
-            self._ask(tstate, encoded)
-            self.asked.add(tstate)
-            pause_point("scheduled")
-        return time.monotonic() - began
 
     def withdraw_main(self) -> bool:
         """Clear the main thread's request if it was not taken; whether it
@@ -250,17 +230,29 @@ class RemoteExec:
         return int(struct.unpack("<i", read_memory(self.target.pid, address, 4,
                                                    self.proc_root))[0])
 
-    def schedule(self, script_path: str, deadline: float) -> tuple[int, float]:
-        """Ask every thread to run ``script_path``; (threads asked again after
-        they took an earlier request and the script did not answer, seconds
-        the process was stopped). Asking again is safe: the script claims the
-        activation once, later runs return at once."""
+    def schedule(self, script_path: str, deadline: float,
+                 main_only: bool = False) -> tuple[int, float]:
+        """Ask every thread (or the main thread only) to run ``script_path``;
+        (threads asked again after they took an earlier request and the
+        script did not answer, seconds the process was stopped).
+
+        The main thread is preferred: the script's own frames then pass on
+        its stack, not on a worker's, where scan mode could take their stale
+        return addresses for frames. Asking again is safe: the script claims
+        the activation once, later runs return at once. Every thread is
+        stopped even to ask one: a thread state may be freed meanwhile, and
+        ``eval_breaker`` is also set by the other threads and by signal
+        handlers, so a read-modify-write while they run could drop their bit
+        (a signal's Python handler would then wait for the next signal)."""
         encoded = _encoded(script_path)
         pid = self.target.pid
+        main = self.main_thread_state() if main_only else 0
+        if main_only and main == 0:
+            raise Refused(UNSUPPORTED_VERSION, "the main thread state is not available")
         again = 0
         began = time.monotonic()
         with ptrace.stopped(pid, deadline):
-            states = self.thread_states()
+            states = [main] if main_only else self.thread_states()
             for tstate in states:
                 again += tstate in self.asked and self._pending(tstate) != 1
                 self._ask(tstate, encoded)   # the stop bit again too: a handler
