@@ -7,18 +7,19 @@ of the always-on runtime.
 Throughput is work per CPU second, of the workload under the runtime against
 the same workload without it running at the same time (the CPUs are shared:
 wall time, or a reference taken at another time, would measure the
-neighbours too). The two are pinned to one CPU each and swap CPUs between
-segments of the phase (SEGMENT_SECONDS), the loss being their median:
-left to migrate, two identical workloads differed by up to 6.5% over 15 s
-here; pinned, by at most 0.4%.
+neighbours too). The two are pinned to one CPU each and swap CPUs every
+SWAP_SECONDS, the loss being the median of the losses of the phase's
+segments (SEGMENT_SECONDS): left to migrate, two identical workloads
+differed by up to 6.5% over 15 s here; pinned, by at most 0.4%. Swapped
+only between 10 s segments, one CPU running slower for a while (a virtual
+CPU shares its host; no steal time is reported here) made segments of one
+phase differ by up to 0.12 and the baseline below range 0.97-1.13; swapped
+every quarter second, segments of one phase stayed within 0.05.
 
 The comparison is paired: before the profiler starts, the target runs with
-the runtime deactivated next to the reference (BASELINE_SECONDS on each
-CPU), and its losses are taken against that ratio of the two. In CI runs,
-whole phases came out 0.1-0.3 slower than their duty cycle and the runtime's
-own measure of its cost give (0.372 with the hook off 80% of the time),
-alike in every segment of the phase: a difference of the processes, not of
-the CPUs or the moment. The baseline is in the failure report.
+the runtime deactivated next to the reference (BASELINE_SECONDS), and its
+losses are taken against that ratio of the two. The baseline is in the
+failure report.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -44,15 +46,19 @@ pytestmark = [
 ]
 
 ON = {"TRAMPROF_TRAMPOLINES": "1"}
-#: The loss is the median of the losses of segments this long, the two
-#: workloads swapping CPUs between segments. Measured over a whole phase, one
-#: run gave 0.164 at budget 0.05 (hook on 13% of the time; other runs
-#: 0.04-0.08) and another 0.163 at budget 0.25 (hook on 93%, always-on loss
-#: 0.289): a stretch of a phase can be far off, for reasons not measured here.
+#: The loss is the median of the losses of segments this long. Measured
+#: over a whole phase, with CPUs swapped only between segments, one run gave
+#: 0.164 at budget 0.05 (hook on 13% of the time; other runs 0.04-0.08) and
+#: another 0.163 at budget 0.25 (hook on 93%, always-on loss 0.289).
 SEGMENT_SECONDS = 10.0
-#: The target's own speed against the reference's, measured this long on
-#: each CPU with the runtime's hook off and no profiler.
-BASELINE_SECONDS = 5.0
+#: The target's own speed against the reference's, measured this long with
+#: the runtime's hook off and no profiler.
+BASELINE_SECONDS = 10.0
+#: The two workloads swap CPUs this often.
+SWAP_SECONDS = 0.25
+#: The estimated overhead against the loss measured, lowest and highest
+#: seen over six processes here (CPUs swapped every SWAP_SECONDS).
+ESTIMATE_RANGE = (0.6, 1.25)
 LEAVES = ("a_rec", "b_rec", "c_rec")
 #: Every Python function of the workload, outermost first.
 KNOWN = ("<module>", "work_loop", *LEAVES)
@@ -136,6 +142,37 @@ def drain_for(profiler: Profiler, seconds: float,
         each(profiler.collect())
 
 
+class Swapper(threading.Thread):
+    """Pins the two workloads to one CPU each and swaps them every
+    SWAP_SECONDS, so that a CPU running slower for a while (a virtual CPU
+    shares its host) slows both alike."""
+
+    def __init__(self, first: Workload, second: Workload, cpus: list[int]) -> None:
+        super().__init__(daemon=True)
+        self.pair, self.cpus = (first, second), cpus
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        turn = 0
+        while True:
+            for index, workload in enumerate(self.pair):
+                with contextlib.suppress(OSError):  # a workload that ended
+                    workload.pin(self.cpus[(turn + index) % 2])
+            turn += 1
+            if self.stopping.wait(SWAP_SECONDS):
+                return
+
+    def __enter__(self) -> Swapper:
+        if len(self.cpus) >= 2:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        if self.is_alive():
+            self.join()
+
+
 def run_phase(interp: Interp, budget: float, seconds: int) -> Phase:
     """The workload under the runtime and a profiler with ``budget``, next to
     the same workload without either, for ``seconds`` after a warm-up."""
@@ -143,46 +180,32 @@ def run_phase(interp: Interp, budget: float, seconds: int) -> Phase:
     target = Workload(interp, ON)
     profiler = Profiler(Config(pids=(target.proc.pid,), frequency=499, interval=1.0,
                                python_overhead_budget=budget))
-    cpus = sorted(os.sched_getaffinity(0))[:2] if len(os.sched_getaffinity(0)) >= 2 else []
-
-    def swap(segment: int) -> None:
-        """Each workload gets each CPU in turn."""
-        if cpus and segment:
-            target.pin(cpus[segment % 2])
-            reference.pin(cpus[1 - segment % 2])
-
+    cpus = sorted(os.sched_getaffinity(0))[:2]
     try:
-        if cpus:
-            target.pin(cpus[0])
-            reference.pin(cpus[1])
-        target.command("off")
-        reference.mark()
-        target.mark()
-        ratios = []
-        for segment in range(2 if cpus else 1):
-            swap(segment)
+        with Swapper(target, reference, cpus):
+            target.command("off")
+            reference.mark()
+            target.mark()
             time.sleep(BASELINE_SECONDS)
             target.mark()
             reference.mark()
-            ratios.append(target.rate(-2) / reference.rate(-2))
-        phase = Phase(loss=0.0, baseline=statistics.geometric_mean(ratios))
-        target.command("on")
-        profiler.start()
-        drain_for(profiler, 4.0)  # the duty cycle settles within a few drains
-        reference.mark()
-        target.mark()
-
-        def count(stacks: list[Stack]) -> None:
-            for stack in stacks:
-                _count(phase, stack.frames, stack.count)
-
-        losses = []
-        for segment in range(round(seconds / SEGMENT_SECONDS)):
-            swap(segment)
-            drain_for(profiler, SEGMENT_SECONDS, count)
-            target.mark()
+            phase = Phase(loss=0.0, baseline=target.rate(-2) / reference.rate(-2))
+            target.command("on")
+            profiler.start()
+            drain_for(profiler, 4.0)  # the duty cycle settles within a few drains
             reference.mark()
-            losses.append(1 - target.rate(-2) / reference.rate(-2) / phase.baseline)
+            target.mark()
+
+            def count(stacks: list[Stack]) -> None:
+                for stack in stacks:
+                    _count(phase, stack.frames, stack.count)
+
+            losses = []
+            for _segment in range(round(seconds / SEGMENT_SECONDS)):
+                drain_for(profiler, SEGMENT_SECONDS, count)
+                target.mark()
+                reference.mark()
+                losses.append(1 - target.rate(-2) / reference.rate(-2) / phase.baseline)
         exported = profiler.stats.python_duty  # one process: one group
         assert len(exported) <= 1, exported
         phase.duty = next(iter(exported.values()), None)
@@ -246,28 +269,29 @@ def test_budget_bounds_the_loss_and_keeps_the_profile(host_interp: Interp) -> No
     # than the smaller budgets (Debian's 3.11: 20-30%).
     assert always.loss > 0.12, report
     assert always.paused == 0, report
-    # Losses follow the budget (noise on shared CPUs: a few points). At 0.25
-    # the budget is near the always-on loss, which itself differs by several
-    # points from one phase to the next (0.198 in one, 0.279 at budget 0.25
-    # with the hook on 99% of the time in the next): bounded on each side.
-    # Over 20 s one run measured 0.163 with the hook on 93% of the time (an
-    # always-on loss of 0.289): this phase now lasts 40 s.
-    assert quarter.loss <= 0.25 + 0.08, report
-    assert quarter.loss >= min(0.25, always.loss) - 0.08, report
-    # At 0.05 the loss is the duty cycle times the always-on cost, and the
-    # duty cycle rests on the cost per call the runtime measures: 0.037 to
-    # 0.113 over eight runs here (CPU shares of 0.7-0.9: shared CPUs).
-    assert twentieth.loss <= 0.05 + 0.06, report
+    # The mechanism: a phase loses the always-on loss times the share of its
+    # CPU time the hook was on (its samples not paused), whatever duty cycle
+    # the estimate chose. Measured over nine runs here: within 0.031.
+    for phase in (quarter, twentieth):
+        on_share = 1 - phase.paused / phase.samples
+        assert abs(phase.loss - on_share * always.loss) <= 0.05, report
+    # The budget holds as far as the estimate of the overhead is right (it
+    # rests on the cost per call the runtime measures, ABI.md section 8).
+    # Over six processes here the estimate was 0.60 to 1.25 times the loss
+    # measured (ESTIMATE_RANGE; one CI run: 0.80): at 0.25, near the always-on loss,
+    # the hook may then stay on; at 0.05 the loss stays a few points.
+    low, high = ESTIMATE_RANGE
+    assert quarter.loss <= min(always.loss, 0.25 / low) + 0.03, report
+    assert quarter.loss >= min(0.25, always.loss) / high - 0.03, report
+    assert twentieth.loss <= 0.05 / low + 0.03, report
     assert twentieth.loss < always.loss - 0.05, report
     # What the daemon exports: the duty cycle and the estimated overhead.
     assert twentieth.duty is not None and always.duty is not None, report
-    # The estimate rests on the cost per call the runtime measures (fib(12)
-    # with and without the hook, the median of rounds taken while it runs;
-    # ABI.md section 8): 0.347 for a loss of 0.344 and 0.314 for 0.293 here.
-    # When it measured only at activation, one function for both, it was
-    # 0.48-1.9x the loss, and a run at budget 0.25 kept the hook always on.
+    # When the runtime measured its cost only at activation, one function
+    # for both, the estimate was 0.48-1.9x the loss, and a run at budget 0.25
+    # kept the hook always on.
     assert always.duty[0] == 1.0, report
-    assert 0.5 * always.loss <= always.duty[1] <= 2.0 * always.loss, report
+    assert low * always.loss - 0.03 <= always.duty[1] <= high * always.loss + 0.03, report
     assert twentieth.duty[0] < 0.5 and abs(twentieth.duty[1] - 0.05) <= 0.01, report
     # Most samples at budget 0.05 are paused (marked).
     assert twentieth.paused > 0.4 * twentieth.samples, report
