@@ -41,13 +41,24 @@ image): time until it exits, the same peaks. This one depends on what else
   runs on the machine (the daemon profiles every process); start-up figures
   are taken until a second after the first healthy ``/healthz``.
 
+Last, each round, the first start (``child``, empty cache) and a start from
+the cache (``cached``), each inside a memory cgroup of its own (v2 or v1),
+once limited to ``--limit-mib`` (150 by default) with no swap and once
+unlimited: does it become healthy under the limit (within 120 s), how long
+it takes, the cgroup's own peak (what the kernel charged: anonymous memory
+and the file pages it read first, which it reclaims under the limit) and
+its OOM kills. Page cache is dropped before
+each of these runs (``/proc/sys/vm/drop_caches``), as on a node where the
+compiler's libraries were never read; ``--keep-page-cache`` leaves it.
+
 Run (root): ``.venv/bin/python benchmarks/bench_startup.py [--rounds 3]``
-(~5 minutes).
+(~7 minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -224,17 +235,139 @@ class Variant:
     config: str  # the configuration file (program_cache_dir)
 
 
-def one_run(variant: Variant, steady: float) -> Run:
+def one_run(variant: Variant, steady: float, cgroup: MemoryCgroup | None = None) -> Run:
     with tempfile.TemporaryFile(mode="w+") as log:  # a pipe nobody reads could block it
-        return measure(variant, steady, log)
+        return measure(variant, steady, log, cgroup)
 
 
-def measure(variant: Variant, steady: float, log: IO[str]) -> Run:
+class MemoryCgroup:
+    """A memory cgroup of its own for one run (cgroup v2, else v1's memory
+    hierarchy): a limit without swap, or none; its peak and OOM kills."""
+
+    def __init__(self, name: str, limit_bytes: int | None) -> None:
+        unified = Path("/sys/fs/cgroup")
+        if (unified / "cgroup.controllers").exists():
+            self.v2, parent = True, unified
+            if "memory" not in (unified / "cgroup.subtree_control").read_text().split():
+                raise SystemExit("cgroup v2 without the memory controller enabled at the root")
+        elif (unified / "memory" / "memory.limit_in_bytes").exists():
+            self.v2, parent = False, unified / "memory"
+        else:
+            raise SystemExit("no memory cgroup controller mounted")
+        self.path = parent / name
+        self.path.mkdir()
+        if limit_bytes is not None:
+            if self.v2:
+                self._write("memory.max", limit_bytes)
+                if (self.path / "memory.swap.max").exists():
+                    self._write("memory.swap.max", 0)
+            else:
+                self._write("memory.limit_in_bytes", limit_bytes)
+                if (self.path / "memory.memsw.limit_in_bytes").exists():
+                    self._write("memory.memsw.limit_in_bytes", limit_bytes)
+
+    def _write(self, name: str, value: int) -> None:
+        (self.path / name).write_text(f"{value}\n")
+
+    def enter(self) -> None:
+        """In the child between fork and exec: move itself in."""
+        (self.path / "cgroup.procs").write_text(f"{os.getpid()}\n")
+
+    def peak_bytes(self) -> int:
+        name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+        return int((self.path / name).read_text())
+
+    def oom_kills(self) -> int:
+        name = "memory.events" if self.v2 else "memory.oom_control"
+        for line in (self.path / name).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def remove(self) -> None:
+        """Ends what is left in it (a compiler child whose daemon was
+        stopped), then removes it."""
+        for pid in (self.path / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.path.rmdir()
+                return
+            except OSError:  # the last task is still leaving
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+@dataclass
+class LimitedRun:
+    healthy: bool
+    startup: float          # seconds until healthy (nan if it was not)
+    peak: int               # the cgroup's peak, bytes
+    oom_kills: int
+    failure: str = ""
+
+
+def limited_run(config: str, limit_bytes: int | None, drop_cache: bool) -> LimitedRun:
+    """The first start (compiler child, empty cache) in a cgroup of its own."""
+    if drop_cache:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    cgroup = MemoryCgroup(f"tramprof-bench-{os.getpid()}-{time.monotonic_ns()}", limit_bytes)
+    try:
+        try:
+            run = one_run(Variant("", config), 1, cgroup)
+            result = LimitedRun(True, run.startup, 0, 0)
+        except RuntimeError as exc:  # it ended before /healthz answered
+            result = LimitedRun(False, float("nan"), 0, 0, str(exc).splitlines()[-1][:200])
+        result.peak, result.oom_kills = cgroup.peak_bytes(), cgroup.oom_kills()
+        return result
+    finally:
+        cgroup.remove()
+
+
+def under_limit(folder: str, rounds: int, limit_mib: int, drop_cache: bool) -> None:
+    """The first start on a node, and a start from the program cache (the
+    DaemonSet's daemon container after its init container), each under a
+    tight memory limit next to the same start without one."""
+    uncached, cached = Path(folder) / "uncached.toml", Path(folder) / "cached.toml"
+    limit = limit_mib * MiB * 1024
+    cases = {f"first start, limit {limit_mib} MiB": (uncached, limit),
+             "first start, no limit": (uncached, None),
+             f"start from the cache, limit {limit_mib} MiB": (cached, limit),
+             "start from the cache, no limit": (cached, None)}
+    runs: dict[str, list[LimitedRun]] = {name: [] for name in cases}
+    for r in range(rounds):
+        order = list(cases) if r % 2 == 0 else list(reversed(cases))
+        for name in order:
+            config, limit_bytes = cases[name]
+            run = limited_run(str(config), limit_bytes, drop_cache)
+            runs[name].append(run)
+            print(f"  round {r + 1} {name}: " + (
+                f"healthy in {run.startup:.2f} s" if run.healthy else
+                f"never healthy ({run.failure})") +
+                f", cgroup peak {run.peak / MiB / MiB:.0f} MiB, OOM kills {run.oom_kills}",
+                flush=True)
+    for name, results in runs.items():
+        started = [r.startup for r in results if r.healthy]
+        print(f"{name}:")
+        print(f"  healthy in {len(started)} of {len(results)} runs" + (
+            f", after {stat(started, '{:.2f}')} s" if started else ""))
+        print(f"  cgroup peak: {stat([r.peak / MiB / MiB for r in results])} MiB, "
+              f"OOM kills {sum(r.oom_kills for r in results)}")
+
+
+def measure(variant: Variant, steady: float, log: IO[str],
+            cgroup: MemoryCgroup | None = None) -> Run:
     port = free_port()
     began = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, variant.program, "run",
                              "--config", variant.config, "--listen", f"127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=log)
+                            stdout=subprocess.DEVNULL, stderr=log,
+                            preexec_fn=cgroup.enter if cgroup else None)
     try:
         data = watch_startup(proc, port, began, log)
         # Later growth depends on what else runs on the machine (every
@@ -341,6 +474,12 @@ def main() -> None:
                         help="seconds after /healthz before the steady reading")
     parser.add_argument("--baseline", metavar="REV",
                         help=f"git revision of the in-process {PROGRAM}")
+    parser.add_argument("--limit-mib", type=int, default=150,
+                        help="memory limit of the limited first start")
+    parser.add_argument("--keep-page-cache", action="store_true",
+                        help="do not drop the page cache before the limited runs")
+    parser.add_argument("--only-limit", action="store_true",
+                        help="only the starts with and without the limit")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("bench_startup.py needs root (the daemon loads BPF programs)")
@@ -353,8 +492,10 @@ def main() -> None:
                     "child": Variant("", str(uncached)), "cached": Variant("", str(cached))}
         warm = one_run(variants["cached"], 1)
         print(f"  filling the cache: healthy in {warm.startup:.2f} s", flush=True)
-        compare(variants, revision, args.rounds, args.steady)
-        prepare(folder, args.rounds)
+        if not args.only_limit:
+            compare(variants, revision, args.rounds, args.steady)
+            prepare(folder, args.rounds)
+        under_limit(folder, args.rounds, args.limit_mib, not args.keep_page_cache)
 
 
 def prepare(folder: str, rounds: int) -> None:
