@@ -13,8 +13,8 @@ segments (SEGMENT_SECONDS): left to migrate, two identical workloads
 differed by up to 6.5% over 15 s here; pinned, by at most 0.4%. Swapped
 only between 10 s segments, one CPU running slower for a while (a virtual
 CPU shares its host; no steal time is reported here) made segments of one
-phase differ by up to 0.12 and the baseline below range 0.97-1.13; swapped
-every quarter second, segments of one phase stayed within 0.05.
+phase differ by up to 0.16 and the baseline below range 0.97-1.13; swapped
+every quarter second, by at most 0.065 over nine runs.
 
 The comparison is paired: before the profiler starts, the target runs with
 the runtime deactivated next to the reference (BASELINE_SECONDS), and its

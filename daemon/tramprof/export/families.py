@@ -231,7 +231,7 @@ PYTHON_OVERHEAD = Family(
     "tramprof_python_overhead_ratio", "gauge", ("process",),
     "Estimated share of those processes' time spent in trampolines at their duty cycle "
     "(mean over them): Python calls through the hook per second, times the extra cost of "
-    "one call that each runtime measures at activation.")
+    "one call that each runtime measures while it runs.")
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
     KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS,
