@@ -76,7 +76,8 @@ from common import free_port, median
 REPO = Path(__file__).resolve().parent.parent
 PROGRAM = "daemon/tramprof/sampler/program.py"
 MARKER = "compile_and_load"  # only the compiler-child version of program.py has it
-MiB = 1024
+MiB = 1024  # KiB in a MiB (/proc reports KiB)
+MIB_BYTES = MiB * 1024
 
 # Runs the CLI, first putting the given program.py (if any) in place of
 # tramprof.sampler.program. The old Sampler compiled in start(); the current
@@ -312,29 +313,29 @@ class LimitedRun:
 
 
 def limited_run(config: str, limit_bytes: int | None, drop_cache: bool) -> LimitedRun:
-    """The first start (compiler child, empty cache) in a cgroup of its own."""
+    """One start with ``config`` in a cgroup of its own, limited or not."""
     if drop_cache:
         subprocess.run(["sync"], check=True)
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     cgroup = MemoryCgroup(f"tramprof-bench-{os.getpid()}-{time.monotonic_ns()}", limit_bytes)
     try:
         try:
-            run = one_run(Variant("", config), 1, cgroup)
-            result = LimitedRun(True, run.startup, 0, 0)
+            startup, failure = one_run(Variant("", config), 1, cgroup).startup, ""
         except RuntimeError as exc:  # it ended before /healthz answered
-            result = LimitedRun(False, float("nan"), 0, 0, str(exc).splitlines()[-1][:200])
-        result.peak, result.oom_kills = cgroup.peak_bytes(), cgroup.oom_kills()
-        return result
+            startup, failure = float("nan"), str(exc).splitlines()[-1][:200]
+        return LimitedRun(not failure, startup, cgroup.peak_bytes(), cgroup.oom_kills(),
+                          failure)
     finally:
         cgroup.remove()
 
 
-def under_limit(folder: str, rounds: int, limit_mib: int, drop_cache: bool) -> None:
-    """The first start on a node, and a start from the program cache (the
-    DaemonSet's daemon container after its init container), each under a
-    tight memory limit next to the same start without one."""
-    uncached, cached = Path(folder) / "uncached.toml", Path(folder) / "cached.toml"
-    limit = limit_mib * MiB * 1024
+def under_limit(uncached: str, cached: str, rounds: int, limit_mib: int,
+                drop_cache: bool) -> None:
+    """The first start on a node (configuration ``uncached``), and a start
+    from the program cache (``cached``: the DaemonSet's daemon container after
+    its init container), each under a tight memory limit next to the same
+    start without one."""
+    limit = limit_mib * MIB_BYTES
     cases = {f"first start, limit {limit_mib} MiB": (uncached, limit),
              "first start, no limit": (uncached, None),
              f"start from the cache, limit {limit_mib} MiB": (cached, limit),
@@ -344,19 +345,19 @@ def under_limit(folder: str, rounds: int, limit_mib: int, drop_cache: bool) -> N
         order = list(cases) if r % 2 == 0 else list(reversed(cases))
         for name in order:
             config, limit_bytes = cases[name]
-            run = limited_run(str(config), limit_bytes, drop_cache)
+            run = limited_run(config, limit_bytes, drop_cache)
             runs[name].append(run)
             print(f"  round {r + 1} {name}: " + (
                 f"healthy in {run.startup:.2f} s" if run.healthy else
                 f"never healthy ({run.failure})") +
-                f", cgroup peak {run.peak / MiB / MiB:.0f} MiB, OOM kills {run.oom_kills}",
+                f", cgroup peak {run.peak / MIB_BYTES:.0f} MiB, OOM kills {run.oom_kills}",
                 flush=True)
     for name, results in runs.items():
         started = [r.startup for r in results if r.healthy]
         print(f"{name}:")
         print(f"  healthy in {len(started)} of {len(results)} runs" + (
             f", after {stat(started, '{:.2f}')} s" if started else ""))
-        print(f"  cgroup peak: {stat([r.peak / MiB / MiB for r in results])} MiB, "
+        print(f"  cgroup peak: {stat([r.peak / MIB_BYTES for r in results])} MiB, "
               f"OOM kills {sum(r.oom_kills for r in results)}")
 
 
@@ -475,7 +476,7 @@ def main() -> None:
     parser.add_argument("--baseline", metavar="REV",
                         help=f"git revision of the in-process {PROGRAM}")
     parser.add_argument("--limit-mib", type=int, default=150,
-                        help="memory limit of the limited first start")
+                        help="memory limit of the limited starts")
     parser.add_argument("--keep-page-cache", action="store_true",
                         help="do not drop the page cache before the limited runs")
     parser.add_argument("--only-limit", action="store_true",
@@ -495,7 +496,8 @@ def main() -> None:
         if not args.only_limit:
             compare(variants, revision, args.rounds, args.steady)
             prepare(folder, args.rounds)
-        under_limit(folder, args.rounds, args.limit_mib, not args.keep_page_cache)
+        under_limit(variants["child"].config, variants["cached"].config, args.rounds,
+                    args.limit_mib, not args.keep_page_cache)
 
 
 def prepare(folder: str, rounds: int) -> None:
