@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from tramprof.model import RawSample
+from tramprof.model import FrameSource, MappedFile
 from tramprof.procfs.maps import Mapping, read_maps
 from tramprof.sampler import layout
 from tramprof.sampler.tables import CHUNK_BYTES, PROC_BYTES, TablesFull, chunks_for
@@ -72,11 +72,12 @@ def libc(mappings: list[Mapping]) -> Mapping:
     return next(m for m in mappings if m.is_exec and m.basename.startswith("libc.so"))
 
 
-def sample_in(pid: int, m: Mapping) -> RawSample:
-    """A leaf-only sample whose pc lies in ``m``."""
-    return RawSample(tgid=pid, start_boottime_ns=0, exec_id=0, comm="sleep",
-                     user_frames=((m.start + 0x100, 0x7FFF0000),), user_flags=0,
-                     kernel_ips=(), trampoline_frames=(), kernel_error=0, count=1)
+def code_in(*mappings: Mapping) -> tuple[FrameSource, ...]:
+    """A stack's frames, leaf first, one in each of ``mappings``, located as
+    the profiler names them (``ProcessImage.locate``)."""
+    return tuple(FrameSource(m.start + 0x100 + i, MappedFile(m.display_path, m.start, m.end,
+                                                              m.offset))
+                 for i, m in enumerate(mappings))
 
 
 def settle(mode: TableMode, live: set[int]) -> None:
@@ -90,7 +91,7 @@ def table_libc(mode: TableMode, pids: list[int]) -> dict[int, list[Mapping]]:
     maps = {pid: read_maps(pid) for pid in pids}
     for pid in pids:
         mode.consider(pid, maps[pid])
-        mode.note_sample(sample_in(pid, libc(maps[pid])))
+        mode.note_code(pid, code_in(libc(maps[pid])))
     settle(mode, set(pids))
     return maps
 
@@ -145,7 +146,7 @@ def test_frame_pointer_objects_are_left_to_the_fp_walk(tmp_path: Path) -> None:
         maps = read_maps(proc.pid)
         main = next(m for m in maps if m.is_exec and m.path == str(exe))
         mode.consider(proc.pid, maps)
-        mode.note_sample(sample_in(proc.pid, main))
+        mode.note_code(proc.pid, code_in(main))
         settle(mode, {proc.pid})
         report = mode.report(proc.pid)
     finally:
@@ -174,7 +175,7 @@ def test_budget_evicts_the_least_recently_sampled(sleepers: list[int]) -> None:
     try:
         mode.consider(pid, maps)
         for m in sorted(objects, key=lambda m: sizes[m.path]):
-            mode.note_sample(sample_in(pid, m))
+            mode.note_code(pid, code_in(m))
             settle(mode, {pid})
     finally:
         mode.close()
@@ -203,19 +204,19 @@ def test_an_evicted_table_comes_back_when_sampled_after_the_back_off(sleepers: l
             with open(m.path, "rb") as f:
                 sizes.append(chunks_for(compile_table(f).row_count) * CHUNK_BYTES)
         mode.budget_bytes = max(sizes) + PROC_BYTES
-        mode.note_sample(sample_in(pid, first))
+        mode.note_code(pid, code_in(first))
         settle(mode, {pid})
         clock[0] += 1
-        mode.note_sample(sample_in(pid, second))
+        mode.note_code(pid, code_in(second))
         settle(mode, {pid})
         states = {o.name: o.state for o in mode.objects()}
         assert sorted(states.values()) == ["evicted", "loaded"], states
         clock[0] += 10  # within the back-off: stays out
-        mode.note_sample(sample_in(pid, first))
+        mode.note_code(pid, code_in(first))
         settle(mode, {pid})
         assert writer.loads == 2
         clock[0] += 61
-        mode.note_sample(sample_in(pid, first))
+        mode.note_code(pid, code_in(first))
         settle(mode, {pid})
     finally:
         mode.close()
@@ -230,7 +231,7 @@ def test_exited_processes_are_forgotten(sleepers: list[int]) -> None:
         pid = sleepers[0]
         maps = read_maps(pid)
         mode.consider(pid, maps)
-        mode.note_sample(sample_in(pid, libc(maps)))
+        mode.note_code(pid, code_in(libc(maps)))
         settle(mode, {pid})
         assert pid in writer.processes
         mode.refresh(set())
@@ -259,7 +260,7 @@ def test_a_refresh_reworks_a_process_only_when_its_tables_change(
         assert looked_at == []
         first = sleepers[0]
         loader = next(m for m in maps[first] if m.is_exec and "ld-linux" in m.path)
-        mode.note_sample(sample_in(first, loader))
+        mode.note_code(first, code_in(loader))
         settle(mode, set(sleepers))
         assert [len(writer.processes[pid]) for pid in sleepers] == [2, 1]
         looked_at.clear()
@@ -283,10 +284,7 @@ def test_every_object_a_stack_passes_through_is_wanted(sleepers: list[int]) -> N
     outside = next(m for m in maps if not m.is_exec)  # a gap for the table mode
     path = (c_library, outside, c_library, loader, outside, loader, c_library, program)
     mode.consider(pid, maps)
-    mode.note_sample(RawSample(
-        tgid=pid, start_boottime_ns=0, exec_id=0, comm="sleep",
-        user_frames=tuple((m.start + 0x100 + i, 0x7FFF0000) for i, m in enumerate(path)),
-        user_flags=0, kernel_ips=(), trampoline_frames=(), kernel_error=0, count=1))
+    mode.note_code(pid, (None, *code_in(*path), None))  # markers have no place
     settle(mode, {pid})
     tabled = {start for start, _end, _bias, _first, rows in writer.processes[pid] if rows}
     assert tabled == {c_library.start, loader.start, program.start}

@@ -293,8 +293,9 @@ class Profiler:
             stacks = []
             for sample in samples:
                 try:
-                    self.unwinders.note_sample(sample)
-                    stacks.append(self._symbolize(sample))
+                    stack = self._symbolize(sample)
+                    self.unwinders.note_code(sample.tgid, stack.sources)
+                    stacks.append(stack)
                 except Exception:
                     # A bug in one stack must not stop the daemon; count it, keep the rest.
                     self.stats.symbolization_failures["internal_error"] += sample.count

@@ -22,7 +22,7 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tramprof.model import RawSample
+from tramprof.model import FrameSource
 from tramprof.procfs.maps import Mapping
 from tramprof.sampler import layout
 from tramprof.unwind.arenas import Arenas
@@ -110,8 +110,9 @@ class NativeMode(UnwindMode, Protocol):
     whichever trampoline mode a process also has); it learns from samples
     which code needs it."""
 
-    def note_sample(self, sample: RawSample) -> None:
-        """A drained sample of a process this mode was asked to consider."""
+    def note_code(self, pid: int, sources: Iterable[FrameSource | None]) -> None:
+        """Where the frames of one drained stack of ``pid`` (a process this
+        mode was asked to consider) run, as they were named."""
 
     def close(self) -> None:
         """Stop background work."""
@@ -141,9 +142,9 @@ class UnwindModes:
             if mode.unwinds(pid):
                 return
 
-    def note_sample(self, sample: RawSample) -> None:
+    def note_code(self, pid: int, sources: Iterable[FrameSource | None]) -> None:
         for native in self.native:
-            native.note_sample(sample)
+            native.note_code(pid, sources)
 
     def refresh(self, live: set[int]) -> None:
         taken: set[int] = set()

@@ -29,13 +29,12 @@ import os
 import queue
 import threading
 import time
-from bisect import bisect_right
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol
 
-from tramprof.model import RawSample
+from tramprof.model import FrameSource
 from tramprof.procfs.maps import Mapping
 from tramprof.sampler import layout
 from tramprof.sampler.tables import CHUNK_BYTES, PROC_BYTES, TablesFull, chunks_for
@@ -98,7 +97,7 @@ class TableObject:
 @dataclass
 class TabledProcess:
     mappings: list[Mapping]
-    starts: list[int]
+    index_of: dict[int, int]  # mapping start -> mapping index
     objects: dict[int, str] = field(default_factory=dict)  # mapping index -> object key
     wanted: set[int] = field(default_factory=set)          # mapping indexes to resolve
     unreadable: set[int] = field(default_factory=set)      # mapping indexes that did not open
@@ -230,36 +229,26 @@ class TableMode:
         files = sorted((m for m in mappings if m.is_exec and not m.is_anonymous
                         and not m.is_special), key=lambda m: m.start)
         known = self._procs.get(pid)
-        proc = TabledProcess(mappings=files, starts=[m.start for m in files])
+        proc = TabledProcess(mappings=files, index_of={m.start: at for at, m in enumerate(files)})
         if known is not None:  # the maps changed (dlopen): keep what still holds
             old = {known.mappings[i]: key for i, key in known.objects.items()}
             proc.objects = {i: old[m] for i, m in enumerate(files) if m in old}
             proc.installed = known.installed
         self._procs[pid] = proc
 
-    def note_sample(self, sample: RawSample) -> None:
-        """A drained sample: the objects its native frames lie in are wanted."""
-        proc = self._procs.get(sample.tgid)
-        if proc is None or not proc.starts:
+    def note_code(self, pid: int, sources: Iterable[FrameSource | None]) -> None:
+        """Where a drained stack of ``pid`` runs, as its frames were named
+        (``FrameSource``s: their mappings): the objects among them are wanted.
+        The names' per-address caches have found the mappings already; here
+        they are only matched by start address, not searched frame by frame."""
+        proc = self._procs.get(pid)
+        if proc is None or not proc.index_of:
             return
-        now = self._now()
-        noted, starts, mappings = proc.noted, proc.starts, proc.mappings
-        # Frames mostly lie in the object of the frame before, or alternate
-        # between one object and memory outside every object (a runtime's
-        # trampolines between interpreter frames): the last object and the last
-        # gap between objects are recognised without a search.
-        last_start = last_end = gap_start = gap_end = 0
-        for i, (ip, _sp) in enumerate(sample.user_frames):
-            pc = ip if i == 0 else ip - 1
-            if last_start <= pc < last_end or gap_start <= pc < gap_end:
-                continue
-            at = bisect_right(starts, pc) - 1
-            if at < 0 or pc >= mappings[at].end:
-                gap_start = mappings[at].end if at >= 0 else 0
-                gap_end = starts[at + 1] if at + 1 < len(starts) else 1 << 64
-                continue
-            last_start, last_end = starts[at], mappings[at].end
-            if at in noted:
+        index_of, noted, now = proc.index_of, proc.noted, self._now()
+        for start in {source.mapping.start for source in sources
+                      if source is not None and source.mapping is not None}:
+            at = index_of.get(start)
+            if at is None or at in noted:
                 continue
             noted.add(at)
             key = proc.objects.get(at)
