@@ -37,31 +37,34 @@ def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
 
     entries = []
     for raw, value in counts.items_raw():
-        key = layout.CountKey.from_buffer_copy(raw)
-        if key.buffer == buffer:
-            entries.append((raw, key.sample, int.from_bytes(value, "little")))
+        fields = _COUNT_KEY.unpack(raw)
+        if fields[_BUFFER] == buffer:
+            entries.append((raw, fields, int.from_bytes(value, "little")))
     user_stacks, user_keys = _read_user_stacks(ustacks, buffer)
     kernel_cache: dict[int, tuple[int, ...]] = {}
+    comms: dict[bytes, str] = {}
     samples = []
-    for _raw, key, count in entries:
+    for _raw, (tgid, kstack_id, start, exec_id, ustack_hash, raw_comm, *_), count in entries:
         user: tuple[tuple[int, int], ...] = ()
         tramp: tuple[tuple[int, int], ...] = ()
         flags = layout.USTACK_NO_USER
-        if key.ustack_hash:
-            user, tramp, flags = user_stacks.get(key.ustack_hash, _NO_STACK)
+        if ustack_hash:
+            user, tramp, flags = user_stacks.get(ustack_hash, _NO_STACK)
         kernel: tuple[int, ...] = ()
         kernel_error = 0
-        if key.kstack_id >= 0:
-            if key.kstack_id not in kernel_cache:
-                kernel_cache[key.kstack_id] = tuple(kstacks.walk(key.kstack_id))
-            kernel = kernel_cache[key.kstack_id]
-        elif key.kstack_id != NO_KSTACK:
-            kernel_error = key.kstack_id
+        if kstack_id >= 0:
+            if kstack_id not in kernel_cache:
+                kernel_cache[kstack_id] = tuple(kstacks.walk(kstack_id))
+            kernel = kernel_cache[kstack_id]
+        elif kstack_id != NO_KSTACK:
+            kernel_error = kstack_id
+        comm = comms.get(raw_comm)
+        if comm is None:
+            comm = comms[raw_comm] = raw_comm.split(b"\0", 1)[0].decode(errors="replace")
         samples.append(RawSample(
-            tgid=key.tgid, start_boottime_ns=key.start_boottime, exec_id=key.exec_id,
-            comm=key.comm.decode(errors="replace"), user_frames=user, user_flags=flags,
-            kernel_ips=kernel, kernel_error=kernel_error, trampoline_frames=tramp,
-            count=count))
+            tgid=tgid, start_boottime_ns=start, exec_id=exec_id, comm=comm,
+            user_frames=user, user_flags=flags, kernel_ips=kernel, kernel_error=kernel_error,
+            trampoline_frames=tramp, count=count))
 
     counts.delete_raw([raw for raw, _key, _count in entries])
     # Every stored stack of this buffer, also one no count refers to (its
@@ -85,6 +88,12 @@ def _pairs(raw: memoryview, offset: int, count: int) -> tuple[tuple[int, int], .
 
 
 _USTACK_KEY = struct.Struct("<QI")  # UserStackKey: hash, buffer
+# CountKey: SampleKey (tgid, kstack_id, start_boottime, exec_id, ustack_hash,
+# comm), buffer, pad; one unpack instead of a ctypes structure per entry.
+_COUNT_KEY = struct.Struct(f"<IiQQQ{layout.COMM_LEN}sII")
+_BUFFER = 6
+if _COUNT_KEY.size != ctypes.sizeof(layout.CountKey):
+    raise ImportError("the count key's struct layout and layout.CountKey disagree")
 _USTACK_HEAD = struct.Struct("<II8xI")  # UserStack: nr, flags, (check), nr_tramp
 
 
