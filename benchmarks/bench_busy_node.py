@@ -19,15 +19,17 @@ unwind table compiler, are idle, at most ``--max-warmup`` s), then measured
 at each frequency in turn (a configuration reload switches it): over a
 steady window, its CPU (utime+stime of it and its children, % of one core;
 and of its main thread alone, the one that drains), each drain's duration
-(``tramprof_drain_duration_seconds``, read every ``--poll`` seconds: the
-drain and symbolization, not the series update after it), RSS (steady
+(``tramprof_drain_duration_seconds``: the drain and symbolization, not the
+series update after it; read from whole ``/metrics`` scrapes every
+``--scrape-interval`` seconds, as the shipped Prometheus configuration scrapes,
+and nothing else asks the daemon for anything in the window), RSS (steady
 VmRSS, peak VmHWM); then full ``/metrics`` scrape latency (gzip, as
 Prometheus asks) and the distinct folded stacks of single drained windows.
 
 Every worker runs in one process group that is killed on exit, failure or
 Ctrl-C, and dies with this script anyway (``PR_SET_PDEATHSIG``).
 
-Run (root): ``.venv/bin/python benchmarks/bench_busy_node.py`` (about 6
+Run (root): ``.venv/bin/python benchmarks/bench_busy_node.py`` (about 8
 minutes; ``--tramprof`` measures another build, e.g. a checkout of an older
 revision, for before/after figures).
 """
@@ -179,9 +181,19 @@ class LoggedDaemon(Daemon):
                             == self.proc.pid:
                         yield entry / "stat"
 
-    def metrics(self, *names: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    def metrics(self, *names: str, gzip_body: bool = False
+                ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """The ``names`` families (all when none: what Prometheus asks for,
+        gzipped with ``gzip_body``) by (name, labels)."""
         query = "&".join(f"name[]={n}" for n in names)
-        text = self.get(f"/metrics?{query}" if names else "/metrics")
+        path = f"/metrics?{query}" if names else "/metrics"
+        if gzip_body:
+            request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                             headers={"Accept-Encoding": "gzip"})
+            with urllib.request.urlopen(request, timeout=30) as response:
+                text = gzip.decompress(response.read()).decode()
+        else:
+            text = self.get(path)
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -323,11 +335,17 @@ def measure(frequency: int, daemon: LoggedDaemon, args: argparse.Namespace) -> R
     drains: dict[float, float] = {}
     main0 = daemon.helper_threads_cpu(main=True)
     cpu0, busy0, t0 = daemon.cpu_with_children(), host_busy(), time.monotonic()
+    # Scraped as the shipped Prometheus configuration does (whole /metrics,
+    # gzip, every --scrape-interval s); each scrape also tells the last
+    # drain's duration. Nothing else asks the daemon for anything meanwhile.
+    next_scrape = t0
     while time.monotonic() - t0 < args.steady:
-        count, seconds = drain_count(daemon)
-        drains[count] = seconds
+        time.sleep(max(0.0, next_scrape - time.monotonic()))
+        next_scrape += args.scrape_interval
+        metrics = daemon.metrics(gzip_body=True)
+        drains[metrics[("tramprof_drains_total", ())]] = \
+            metrics[("tramprof_drain_duration_seconds", ())]
         result.run_queue.append(runnable())
-        time.sleep(args.poll)
     cpu1, busy1, t1 = daemon.cpu_with_children(), host_busy(), time.monotonic()
     result.cpu_percent = (cpu1 - cpu0) / (t1 - t0) * 100
     result.main_cpu_percent = (daemon.helper_threads_cpu(main=True) - main0) / (t1 - t0) * 100
@@ -483,9 +501,12 @@ def main() -> None:
                         help="longest wait for the unwind table builds to finish")
     parser.add_argument("--switch", type=float, default=15.0,
                         help="seconds between a frequency change and its window")
-    parser.add_argument("--steady", type=float, default=50.0)
+    parser.add_argument("--steady", type=float, default=90.0,
+                        help="seconds of the measured window")
+    parser.add_argument("--scrape-interval", type=float, default=15.0,
+                        help="seconds between whole scrapes in the window (deploy/prometheus's)")
     parser.add_argument("--poll", type=float, default=5.0,
-                        help="seconds between reads of the drain duration")
+                        help="seconds between looks at the daemon during the warm-up")
     parser.add_argument("--scrapes", type=int, default=40)
     parser.add_argument("--windows", type=int, default=2,
                         help="drained windows whose distinct stacks are counted")
