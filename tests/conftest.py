@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,6 +54,8 @@ class Target:
             raise RuntimeError(f"target {argv} did not start: {line!r}")
         #: What the target printed after "ready" (e.g. an address).
         self.ready_info = line.split()[1:]
+        #: When it said so (monotonic seconds): its start-up lies before.
+        self.ready_at = time.monotonic()
 
     def go(self) -> None:
         """Release a target that waits for a line on stdin."""

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import requires_root
+from tests.conftest import Target, requires_root
 from tests.e2e.test_daemon import Daemon, value
 
 pytestmark = requires_root
@@ -23,6 +23,7 @@ MAX_PROCESS_SERIES = 20
 # The unit's MemoryMax is 512 MiB; steady state is ~100 MiB plus the symbol budget.
 MAX_RSS_BYTES = 400 << 20
 TARGET_CHAIN = ("main", "chain_a", "chain_b", "chain_c")
+TARGET_WINDOW_SECONDS = 5
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +68,11 @@ def exact_share(stacks: dict[tuple[str, ...], int]) -> float:
     return exact / total if total else 0.0
 
 
-def assert_unharmed(d: Daemon, target_pid: int) -> dict:
-    """The checks every attack must pass; returns the metrics."""
+def assert_unharmed(d: Daemon, target: Target) -> dict:
+    """The checks every attack must pass; returns the metrics. The target's
+    stacks are judged over a window that begins after it said ready: its
+    start-up (exec, dynamic loading) is not the steady chain the attacks must
+    leave exact, and mid-exec samples do not unwind."""
     assert d.proc.poll() is None, "the daemon exited"
     assert d.get("/healthz").strip() == "ok"
     exposition = d.get("/metrics")
@@ -80,10 +84,14 @@ def assert_unharmed(d: Daemon, target_pid: int) -> dict:
         assert "error while linting" not in check.stderr, check.stderr
     assert rss_bytes(d.proc.pid) <= MAX_RSS_BYTES, rss_bytes(d.proc.pid)
     # The attackers keep both CPUs busy too: the target gets a share of them.
-    stacks = folded(d, target_pid, 5)
+    time.sleep(max(0.0, target.ready_at + TARGET_WINDOW_SECONDS + 1 - time.monotonic()))
+    stacks = folded(d, target.pid, TARGET_WINDOW_SECONDS)
     assert sum(stacks.values()) >= 50, stacks
     share = exact_share(stacks)
-    assert share >= 0.9, sorted(stacks.items(), key=lambda kv: -kv[1])[:4]
+    others = sorted(((c, ";".join(s)) for s, c in stacks.items()
+                     if "main" not in s or s[s.index("main"):] != TARGET_CHAIN), reverse=True)
+    assert share >= 0.9, (f"{share:.2f} of {sum(stacks.values())} samples exact; others:\n"
+                          + "\n".join(f"{c} {s}" for c, s in others[:12]))
     return d.metrics()
 
 
@@ -98,7 +106,7 @@ def test_a_descriptor_claiming_a_huge_arena_is_refused_not_fatal(daemon, target,
     metrics = settle(daemon)
     assert value(metrics, "tramprof_unwind_refusals_total", mode="chain",
                  reason="map_full") >= 1, {k: v for k, v in metrics.items() if "refus" in k[0]}
-    assert_unharmed(daemon, target.pid)
+    assert_unharmed(daemon, target)
     # The liar's samples are still counted, unwound by frame pointers.
     assert folded(daemon, liar.pid, 2)
 
@@ -111,14 +119,14 @@ def test_fifos_at_the_jit_file_paths_block_nothing(daemon, target, attack):
     assert refused >= 1, {k: v for k, v in metrics.items() if "jit_files" in k[0]}
     assert value(metrics, "tramprof_unwind_refusals_total", mode="scan",
                  reason="perf_map_not_regular") >= 1
-    assert_unharmed(daemon, target.pid)
+    assert_unharmed(daemon, target)
 
 
 def test_file_names_cannot_fake_mappings_or_break_the_exposition(daemon, target, attack,
                                                                  attacker_dir):
     hostile = attack("names", str(attacker_dir))
     settle(daemon)
-    assert_unharmed(daemon, target.pid)
+    assert_unharmed(daemon, target)
     stacks = folded(daemon, hostile.pid, 2)
     frames = {frame for stack in stacks for frame in stack}
     # The code running in the mapped files is named by their (escaped) names;
@@ -138,13 +146,13 @@ def test_random_thread_names_do_not_grow_the_series(daemon, target, attack):
                  if name == "tramprof_samples_total"}
     assert len(processes) <= MAX_PROCESS_SERIES + 1, len(processes)
     assert value(metrics, "tramprof_samples_total", process="[other]") > 0
-    assert_unharmed(daemon, target.pid)
+    assert_unharmed(daemon, target)
 
 
 def test_an_elf_bomb_is_refused_once(daemon, target, attack, attacker_dir):
     bomb = attack("elfbomb", str(attacker_dir / "bomb.so"))
     metrics = settle(daemon)
     assert value(metrics, "tramprof_symbolization_failures_total", reason="malformed_elf") >= 1
-    assert_unharmed(daemon, target.pid)
+    assert_unharmed(daemon, target)
     stacks = folded(daemon, bomb.pid, 2)
     assert any(frame.startswith("bomb.so+0x") for stack in stacks for frame in stack), stacks
