@@ -151,6 +151,12 @@ class Config:
     series_expiry: float = 600.0
     # Seconds of drained windows kept for /profile, 1..86400.
     profile_retention: float = 300.0
+    # Estimated memory the windows kept for /profile may hold, 1 MiB..64 GiB:
+    # past it the oldest leave first, so a node with very many distinct
+    # stacks keeps fewer seconds (tramprof_profile_store_seconds shows how
+    # many) rather than more memory. ~1 MiB holds 10 s of 1,200 stacks of 45
+    # frames, each sampled once.
+    profile_store_bytes: int = 16 << 20
     # PEM certificate (chain) to serve HTTPS with; set together with
     # tls_key_file. "" serves plain HTTP.
     tls_cert_file: str = ""
@@ -272,6 +278,7 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "max_label_bytes": _range(64, 65536),
     "series_expiry": _range(1, 86400 * 7, " (seconds)"),
     "profile_retention": _range(1, 86400, " (seconds)"),
+    "profile_store_bytes": _range(1 << 20, 1 << 36, " (bytes)"),
     "http_request_timeout": _range(0.1, 3600, " (seconds)"),
     "http_max_connections": _range(1, 65536),
     "http_max_profile_requests": _range(1, 65536),

@@ -22,9 +22,11 @@ from tramprof.export import families
 from tramprof.export.collector import (
     BuildInfoCollector,
     ProfilerCollector,
+    StoreCollector,
     daemon_registry,
 )
 from tramprof.export.http import MetricsServer
+from tramprof.export.store import ProfileStore
 from tramprof.pipeline.stats import ProcessSamples, ProfilerStats
 from tramprof.sampler.layout import Counter as C
 
@@ -78,7 +80,8 @@ def _daemon_registry():
 
     tracker = SeriesTracker()
     tracker.add([Stack(1, "app", "app", ("main", "work"), 3)], now=0.0)
-    return daemon_registry([ProfilerCollector(stats), tracker], threading.Lock())
+    return daemon_registry([ProfilerCollector(stats), tracker, StoreCollector(ProfileStore())],
+                           threading.Lock())
 
 
 # prometheus-client's ProcessCollector on Linux: the daemon's own process.

@@ -25,7 +25,7 @@ from tramprof.commands.privileges import (
 )
 from tramprof.commands.sdnotify import Notifier
 from tramprof.config import Config, ConfigError
-from tramprof.export.collector import ProfilerCollector, daemon_registry
+from tramprof.export.collector import ProfilerCollector, StoreCollector, daemon_registry
 from tramprof.export.http import HttpSecurity, MetricsServer
 from tramprof.export.recorder import Recorder
 from tramprof.export.series import SeriesConfig, SeriesTracker
@@ -55,7 +55,7 @@ class Daemon:
         self._reload = reload
         self.notifier = Notifier.from_environment(unset_environment=True)
         self.profiler = Profiler(config)
-        self.store = ProfileStore(config.profile_retention)
+        self.store = ProfileStore(config.profile_retention, max_bytes=config.profile_store_bytes)
         self._stop = False
         self._reload_requested = False
         self._last_drain = time.monotonic()
@@ -63,8 +63,8 @@ class Daemon:
         self._snapshot = ProfilerStats()
         self.series = SeriesTracker(series_config(config), self._metadata)
         self._publish_lock = threading.Lock()
-        registry = daemon_registry([ProfilerCollector(lambda: self._snapshot), self.series],
-                                   self._publish_lock)
+        registry = daemon_registry([ProfilerCollector(lambda: self._snapshot), self.series,
+                                    StoreCollector(self.store)], self._publish_lock)
         # Drains on demand for /debug/pprof/profile (Go's next-N-seconds profile).
         self.recorder = Recorder(lambda: self.config.frequency)
         security = HttpSecurity.from_files(config.tls_cert_file, config.tls_key_file,
@@ -226,6 +226,8 @@ class Daemon:
             log.warning("reload: %s; keeping the running grouping", exc)
             new = replace(new, group_by=self.config.group_by)
         logging.getLogger().setLevel(new.log_level.upper())
+        self.store.retention_ns = int(new.profile_retention * 1e9)
+        self.store.max_bytes = new.profile_store_bytes
         processes = self.profiler.stats.samples_by_process
         processes.max_names, processes.expiry = new.max_process_series, new.series_expiry
         self.profiler.config = new

@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 import tramprof
 from tramprof.export import families as fam
+from tramprof.export.store import ProfileStore
 from tramprof.pipeline.stats import ProfilerStats
 from tramprof.sampler.layout import Counter as BpfCounter
 
@@ -176,6 +177,21 @@ _JIT_DROP_COUNTERS = frozenset((
     "malformed", "long_lines", "dropped_entries", "bad_records", "corrupt",
     "unknown_records", "debug_lines_dropped", "unwind_dropped",
 ))
+
+
+class StoreCollector(Collector):
+    """How much the windows kept for /profile hold: bytes and seconds."""
+
+    def __init__(self, store: ProfileStore) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        held_bytes, held_seconds = self._store.held()
+        memory, seconds = _family(fam.PROFILE_STORE_BYTES), _family(fam.PROFILE_STORE_SECONDS)
+        memory.add_metric([], held_bytes)
+        seconds.add_metric([], held_seconds)
+        yield memory
+        yield seconds
 
 
 class Consistent(Collector):

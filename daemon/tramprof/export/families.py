@@ -128,6 +128,14 @@ SYMBOL_MEMORY = Family(
     "Estimated memory held by the perf map and jitdump indexes of all processes and by the "
     "symbol tables of separate debug files; kept within symbol_memory_bytes by evicting the "
     "least recently sampled indexes and tables.")
+PROFILE_STORE_BYTES = Family(
+    "tramprof_profile_store_bytes", "gauge", (),
+    "Estimated memory held by the drained windows kept for /profile; kept within "
+    "profile_store_bytes by dropping the oldest windows.")
+PROFILE_STORE_SECONDS = Family(
+    "tramprof_profile_store_seconds", "gauge", (),
+    "Seconds of samples the windows kept for /profile cover: profile_retention, or fewer "
+    "when profile_store_bytes is reached first (very many distinct stacks).")
 SYMBOL_EVICTIONS = Family(
     "tramprof_symbol_evictions", "counter", (),
     "Perf map / jitdump indexes and debug file tables dropped to stay within "
@@ -242,7 +250,7 @@ ALL: tuple[Family, ...] = (
     UNWIND_REFUSALS, UNWIND_TABLE_BYTES, UNWIND_TABLE_OBJECTS, UNWIND_TABLE_ROWS,
     UNWIND_TABLE_EVICTIONS, UNWIND_TABLE_BUILDS, UNWIND_TABLE_BUILD_SECONDS, UNWIND_TABLE_STOPS,
     PYTHON_DUTY_CYCLE, PYTHON_OVERHEAD, PROCESS_ERRORS, INJECTIONS, SYMBOL_MEMORY,
-    SYMBOL_EVICTIONS, STACK_SAMPLES,
+    SYMBOL_EVICTIONS, PROFILE_STORE_BYTES, PROFILE_STORE_SECONDS, STACK_SAMPLES,
     FUNCTION_SAMPLES, DROPPED_SERIES, SERIES, BUILD_INFO,
 )
 
