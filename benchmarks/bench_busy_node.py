@@ -15,8 +15,10 @@ duty-cycled so that together they keep about ``--load`` CPUs busy:
 One ``tramprof run`` (default settings but the frequency, all CPUs) is
 started with the workers stopped (its BPF compile is not what is measured),
 left to warm up (at least ``--warmup`` s and until its helper threads, the
-unwind table compiler, are idle, at most ``--max-warmup`` s), then measured
-at each frequency in turn (a configuration reload switches it): over a
+unwind table compiler, are idle and the windows it keeps for ``/profile``
+have stopped growing, at most ``--max-warmup`` s), then measured at each
+frequency in turn (a configuration reload switches it; the kept windows are
+refilled at the new frequency first): over a
 steady window, its CPU (utime+stime of it and its children, % of one core;
 and of its main thread alone, the one that drains), each drain's duration
 (``tramprof_drain_duration_seconds``: the drain and symbolization, not the
@@ -29,7 +31,7 @@ Prometheus asks) and the distinct folded stacks of single drained windows.
 Every worker runs in one process group that is killed on exit, failure or
 Ctrl-C, and dies with this script anyway (``PR_SET_PDEATHSIG``).
 
-Run (root): ``.venv/bin/python benchmarks/bench_busy_node.py`` (about 8
+Run (root): ``.venv/bin/python benchmarks/bench_busy_node.py`` (about 12
 minutes; ``--tramprof`` measures another build, e.g. a checkout of an older
 revision, for before/after figures).
 """
@@ -309,21 +311,43 @@ def drain_count(daemon: LoggedDaemon) -> tuple[float, float]:
     return m[("tramprof_drains_total", ())], m[("tramprof_drain_duration_seconds", ())]
 
 
+class StoreFilling:
+    """Whether the windows kept for /profile still grow: until they reach
+    the retention or their memory bound, the daemon's memory grows with them
+    (minutes at the default 300 s), and RSS read before is not steady. Full
+    once a drain leaves the seconds they cover where they were."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float] | None = None  # (drains, seconds held)
+        self.full = False
+
+    def look(self, daemon: LoggedDaemon) -> None:
+        m = daemon.metrics("tramprof_drains_total", "tramprof_profile_store_seconds")
+        now = (m[("tramprof_drains_total", ())], m[("tramprof_profile_store_seconds", ())])
+        if self._last is not None and now[0] > self._last[0]:
+            self.full = now[1] > 0 and now[1] <= self._last[1] + 1.0
+        if self._last is None or now[0] > self._last[0]:
+            self._last = now
+
+
 def settle(daemon: LoggedDaemon, args: argparse.Namespace) -> float:
     """Wait out the start-up work: at least ``--warmup`` seconds and two
     drains, then until the daemon's threads other than its main one and its
     child processes (the unwind table compilers: ~15 CPU seconds for node's
-    binary, once per object) were idle for two polls; at most
-    ``--max-warmup`` seconds. Returns the seconds waited."""
+    binary, once per object) were idle for two polls and the windows kept
+    for /profile stopped growing (``StoreFilling``); at most ``--max-warmup``
+    seconds. Returns the seconds waited."""
     began = time.monotonic()
     time.sleep(args.warmup)
     last, quiet = daemon.helper_threads_cpu() + daemon.children_cpu(), 0
+    store = StoreFilling()
     while time.monotonic() - began < args.max_warmup:
         time.sleep(args.poll)
         now = daemon.helper_threads_cpu() + daemon.children_cpu()
         quiet = quiet + 1 if now - last < 0.05 * args.poll else 0
         last = now
-        if quiet >= 2 and drain_count(daemon)[0] >= 2:
+        store.look(daemon)
+        if quiet >= 2 and drain_count(daemon)[0] >= 2 and store.full:
             break
     return time.monotonic() - began
 
@@ -418,6 +442,11 @@ def session(frequencies: list[int], work: Path, args: argparse.Namespace, log: I
                 config.write_text(f"frequency = {frequency}\n")
                 daemon.proc.send_signal(signal.SIGHUP)
                 time.sleep(args.switch)
+                # Windows of the new frequency replace the old ones.
+                store, deadline = StoreFilling(), time.monotonic() + args.max_warmup
+                while not store.full and time.monotonic() < deadline:
+                    store.look(daemon)
+                    time.sleep(args.poll)
             results.append(measure(frequency, daemon, args))
             print(f"  {frequency} Hz done", flush=True)
             dead = workers.dead()
@@ -497,8 +526,9 @@ def main() -> None:
                         help="CPUs the workers keep busy together")
     parser.add_argument("--warmup", type=float, default=30.0,
                         help="seconds at least between the daemon's start and measuring")
-    parser.add_argument("--max-warmup", type=float, default=150.0,
-                        help="longest wait for the unwind table builds to finish")
+    parser.add_argument("--max-warmup", type=float, default=600.0,
+                        help="longest wait for the unwind table builds to finish and the "
+                             "windows kept for /profile to stop growing")
     parser.add_argument("--switch", type=float, default=15.0,
                         help="seconds between a frequency change and its window")
     parser.add_argument("--steady", type=float, default=90.0,
