@@ -76,6 +76,10 @@ class Phase:
     wrong: list[tuple[str, ...]] = field(default_factory=list)  # impossible chains
     leaves: Counter[str] = field(default_factory=Counter)
     duty: tuple[float, float] | None = None   # exported (duty cycle, overhead)
+    # For a failure's message: the first stacks with no Python name that were
+    # not paused, and the profiler's failure counters after the phase.
+    unnamed: list[tuple[str, ...]] = field(default_factory=list)
+    failures: dict[str, int] = field(default_factory=dict)
 
 
 class Workload:
@@ -206,7 +210,11 @@ def run_phase(interp: Interp, budget: float, seconds: int) -> Phase:
                 target.mark()
                 reference.mark()
                 losses.append(1 - target.rate(-2) / reference.rate(-2) / phase.baseline)
-        exported = profiler.stats.python_duty  # one process: one group
+        stats = profiler.stats
+        phase.failures = {**{k: v for k, v in stats.symbolization_failures.items() if v},
+                          **{f"{kind}_{name}": v for (kind, name), v in stats.jit_counters.items()
+                             if v}}
+        exported = stats.python_duty  # one process: one group
         assert len(exported) <= 1, exported
         phase.duty = next(iter(exported.values()), None)
         phase.loss = statistics.median(losses)
@@ -237,11 +245,15 @@ def _count(phase: Phase, frames: tuple[str, ...], count: int) -> None:
         phase.wrong.append(frames)
     if names and names[-1] in LEAVES:
         phase.leaves[names[-1]] += count
+    elif not names and len(phase.unnamed) < 3:
+        phase.unnamed.append(frames)
 
 
 def _shares(phase: Phase) -> dict[str, float]:
     total = sum(phase.leaves.values())
-    assert total > 500, phase
+    assert total > 500, (f"{total} of {phase.samples} samples end in a workload function; "
+                         f"stacks without Python names: {phase.unnamed}; "
+                         f"profiler counters: {phase.failures}")
     return {leaf: phase.leaves[leaf] / total for leaf in LEAVES}
 
 
