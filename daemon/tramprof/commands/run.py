@@ -226,8 +226,7 @@ class Daemon:
             log.warning("reload: %s; keeping the running grouping", exc)
             new = replace(new, group_by=self.config.group_by)
         logging.getLogger().setLevel(new.log_level.upper())
-        self.store.retention_ns = int(new.profile_retention * 1e9)
-        self.store.max_bytes = new.profile_store_bytes
+        self.store.reconfigure(new.profile_retention, new.profile_store_bytes)
         processes = self.profiler.stats.samples_by_process
         processes.max_names, processes.expiry = new.max_process_series, new.series_expiry
         self.profiler.config = new

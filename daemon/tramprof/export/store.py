@@ -32,11 +32,15 @@ class ProfileStore:
 
     def __init__(self, retention_seconds: float = 300, max_windows: int = 1000,
                  max_bytes: int = 16 << 20) -> None:
-        self.retention_ns = int(retention_seconds * 1e9)
-        self.max_bytes = max_bytes
+        self.reconfigure(retention_seconds, max_bytes)
         self._windows: deque[tuple[Profile, int]] = deque(maxlen=max_windows)
         self._bytes = 0
         self._lock = threading.Lock()
+
+    def reconfigure(self, retention_seconds: float, max_bytes: int) -> None:
+        """New bounds (a configuration reload); they apply from the next window."""
+        self.retention_ns = int(retention_seconds * 1e9)
+        self.max_bytes = max_bytes
 
     def add(self, window: Profile) -> None:
         size = window_bytes(window)
