@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tramprof.symbols.names import PackedNames
+from tramprof.symbols.names import NameSharer, PackedNames
 
 NAMES = ["main", None, "_ZN4core3fmt5write17h", "naïve_λ", None, None,
          "bad\\xffbyte", "lone\udcffsurrogate", "vfs_read [kernel]"]
@@ -29,3 +29,17 @@ def test_packed_is_smaller_than_a_list_of_str():
     names = [f"some_function_name_{i}" for i in range(10_000)]
     as_list = sys.getsizeof(names) + sum(sys.getsizeof(n) for n in names)
     assert PackedNames(names).packed_bytes() < as_list / 2
+
+
+def test_a_sharer_hands_out_one_object_per_name_and_stays_bounded() -> None:
+    sharer = NameSharer(max_names=4)
+    first = sharer.share(["".join(("a", str(i))) for i in range(3)])
+    again = sharer.share(["".join(("a", str(i))) for i in range(3)])
+    assert again == first and all(a is b for a, b in zip(again, first, strict=True))
+    assert sharer.one("".join(("a", "1"))) is first[1]
+    assert len(sharer) == 3
+    # Past the bound it starts afresh: what it handed out stays valid.
+    assert sharer.share(["b1", "b2"]) == ["b1", "b2"]
+    assert len(sharer) == 0
+    assert sharer.one("".join(("a", "1"))) is not first[1]
+    assert first == ["a0", "a1", "a2"]

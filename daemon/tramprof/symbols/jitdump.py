@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Final
 
 from tramprof.symbols.addrindex import U64_MAX, AddrIndex
+from tramprof.symbols.names import SHARED_NAMES
 from tramprof.symbols.safeopen import IO_ERROR, Refusal
 from tramprof.symbols.tailreader import (
     ProcessTmpFile,
@@ -183,11 +184,13 @@ def jitdump_path(pid: int, nstgid_innermost: int, proc_root: str = "/proc") -> s
 
 
 def _cstring(data: bytes, start: int, end: int) -> tuple[str, int]:
-    """Decode the NUL-terminated string at ``start``; return it and the byte after the NUL."""
+    """Decode the NUL-terminated string at ``start``; return it and the byte
+    after the NUL. Shared (``symbols.names``): processes running the same code
+    name it, and its debug info's source files, alike."""
     nul = data.find(b"\0", start, end)
     if nul < 0:
         raise _BadRecord("string without NUL")
-    return data[start:nul].decode("utf-8", "replace"), nul + 1
+    return SHARED_NAMES.one(data[start:nul].decode("utf-8", "replace")), nul + 1
 
 
 class JitDump(ProcessTmpFile):

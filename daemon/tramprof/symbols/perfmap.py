@@ -11,7 +11,8 @@ contain spaces.  Leading whitespace and CRLF endings are accepted, blank
 lines are skipped silently.  A line is *malformed* (counted, skipped) when a
 field is missing or not hex, a number has more than 16 digits, the size is
 zero, the range runs past 2**64, or the line contains a NUL byte.  Names are
-decoded as UTF-8 with replacement characters.  A line longer than
+decoded as UTF-8 with replacement characters, and shared between processes
+(``symbols.names``).  A line longer than
 ``max_line_bytes`` is skipped and counted in ``long_lines`` without ever
 being held in memory whole.
 
@@ -34,6 +35,7 @@ from operator import add
 from typing import Any, Final
 
 from tramprof.symbols.addrindex import U64_MAX, AddrIndex
+from tramprof.symbols.names import SHARED_NAMES
 from tramprof.symbols.safeopen import IO_ERROR, Refusal
 from tramprof.symbols.tailreader import (
     ProcessTmpFile,
@@ -139,7 +141,8 @@ def parse_lines(block: bytes, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> P
         starts = list(compress(starts, keep))
         ends = list(compress(ends, keep))
         raw_names = tuple(compress(raw_names, keep))
-    names = list(map(bytes.decode, raw_names, repeat("utf-8"), repeat("replace")))
+    names = SHARED_NAMES.share(list(map(bytes.decode, raw_names, repeat("utf-8"),
+                                        repeat("replace"))))
     return ParsedLines(array("Q", starts), array("Q", ends), names, malformed, long_lines)
 
 
