@@ -9,6 +9,7 @@ import select
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -488,6 +489,34 @@ def test_connector_sees_fork_exec_exit_with_exact_pids(connector: ProcConnectorS
         ProcessEvent("exit", child.pid),
     ]
     assert connector.overruns == 0
+
+
+@requires_root
+@pytest.mark.root
+def test_connector_in_a_fresh_daemon_imports_only_what_it_uses() -> None:
+    """pyroute2's package __init__ imports the whole library (~9 MiB of heap):
+    a daemon's connector imports the netlink modules it needs and still reads
+    the fork, exec and exit of a child exactly."""
+    open_connector().close()  # skips with the reason when it is unavailable
+    script = """
+import subprocess, sys, time
+from tramprof.procfs.events import ProcConnectorSource, ProcessEvent
+source = ProcConnectorSource()
+child = subprocess.Popen(["/bin/true"]); child.wait()
+deadline = time.monotonic() + 10
+events = []
+while ProcessEvent("exit", child.pid) not in events and time.monotonic() < deadline:
+    time.sleep(0.05)
+    events += [e for e in source.read_events() if e.pid == child.pid]
+print([e.kind for e in events])
+print(len([m for m in sys.modules if m.startswith("pyroute2")]))
+print("pyroute2.iproute" in sys.modules, hasattr(sys.modules["pyroute2"], "IPRoute"))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.splitlines()
+    assert out[0] == "['fork', 'exec', 'exit']"
+    assert int(out[1]) < 60, f"{out[1]} pyroute2 modules imported"
+    assert out[2] == "False False"
 
 
 @requires_root
