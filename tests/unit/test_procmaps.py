@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import subprocess
 import sys
@@ -121,6 +122,18 @@ def test_any_path_round_trips(name: str) -> None:
     path = "/" + name.strip("\x0b\x0c\x1c\x1d\x1e\x1f\x85\u2028\u2029")
     line = f"7f0000010000-7f0000020000 r-xp 00001000 fe:00 999                 {path}\n"
     assert parse_maps_line(line).path == path
+
+
+def test_mappings_are_equal_and_hash_alike_by_their_fields() -> None:
+    """Mappings key the symbolizer's state across re-reads of the maps: the
+    same line read again is the same key; any other field makes another."""
+    first, again = parse_maps(MAPS), parse_maps(MAPS)
+    assert {m: i for i, m in enumerate(first)} == {m: i for i, m in enumerate(again)}
+    cat = first[1]
+    assert hash(cat) == hash(again[1])
+    for changed in (dataclasses.replace(cat, offset=0x3000), dataclasses.replace(cat, inode=1),
+                    dataclasses.replace(cat, path="/usr/bin/dog")):
+        assert changed != cat and changed not in set(again)
 
 
 def test_find_mapping_boundaries() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 
 from tramprof.model import ProcessGone, SymbolizationError
@@ -52,6 +52,16 @@ class Mapping:
     dev_minor: int
     inode: int
     path: str
+    # Computed on first use: mappings key the symbolizer's state per mapped
+    # object, looked up for every address not seen before.
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        if not self._hash:
+            object.__setattr__(self, "_hash", hash((
+                self.start, self.end, self.perms, self.offset, self.dev_major,
+                self.dev_minor, self.inode, self.path)) or 1)
+        return self._hash
 
     @property
     def size(self) -> int:
