@@ -27,7 +27,7 @@ from tramprof.symbols.debuginfo import DebugInfo, DebugTable
 from tramprof.symbols.demangle import Demangler
 from tramprof.symbols.elf import ElfCache
 from tramprof.symbols.jit import GAUGES, JitLimits, JitSymbols
-from tramprof.symbols.usersyms import ANON, ProcessSymbolizer, SymbolizationStats
+from tramprof.symbols.usersyms import ANON, UNKNOWN, ProcessSymbolizer, SymbolizationStats
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +100,13 @@ class ProcessImage:
 
     def name_frames(self, addresses: Sequence[int | str]
                     ) -> tuple[list[str], list[FrameSource | None]]:
-        """``resolve`` and ``locate`` of every lookup address of one stack
-        (markers, strings, pass through unlocated). A drain names tens of
-        thousands of frames, nearly all cached: those are found in two passes
-        of dictionary lookups, only the rest one by one. The stack is named
-        with the caches as they were when it began: a lookup that reads the
-        JIT files or the maps again counts from the next stack."""
-        self._validate_caches()
+        """``lookup`` of every lookup address of one stack (markers, strings,
+        pass through unlocated). A drain names tens of thousands of frames,
+        nearly all cached: those are found in two passes of dictionary
+        lookups, only the rest one by one. The stack is named with the caches
+        as they were when it began: a lookup that reads the JIT files or the
+        maps again counts from the next stack."""
+        symbolizer = self._validate_caches()
         # Markers are looked up too, and miss.
         names = list(map(cast("dict[int | str, str]", self.names).get, addresses))
         sources = list(map(cast("dict[int | str, FrameSource]", self.sources).get, addresses))
@@ -122,78 +122,74 @@ class ProcessImage:
                 name, source = jit_names.get(addr), jit_sources.get(addr)
                 if name is not None and source is not None:
                     jit_hits += 1
+                elif symbolizer is None:
+                    name, source = UNKNOWN, None
                 else:
-                    name, source = self.resolve(addr), self.locate(addr)
+                    name, source = self._look_up(symbolizer, addr)
                 names[at], sources[at] = name, source
             if jit_hits and self.jit is not None:
                 self.jit.count_cached_hit(jit_hits)
         return cast(list[str], names), sources
 
     def resolve(self, addr: int) -> str:
-        symbolizer = self._validate_caches()
-        name = self.names.get(addr)
-        if name is not None:
-            return name
-        if symbolizer is None:
-            return "[unknown]"
-        jit = self.jit
-        if jit is not None:
-            name = self.jit_names.get(addr)
-            if name is not None:
-                jit.count_cached_hit()
-                return name
-        name = symbolizer.resolve(addr)
-        mapping = symbolizer.mapping_for(addr)
-        if mapping is None:
-            return name
-        if not mapping.is_anonymous:
-            if not mapping.is_exec:  # no code here now: maybe some later
-                return name
-            _remember(self.names, addr, name)
-        elif jit is not None and name != ANON and \
-                self._current_jit_key(symbolizer) == self._jit_key:
-            # Named by the JIT files as they were when this lookup began (a
-            # lookup that re-read them, or the maps, is cached from the next);
-            # a miss is not cached: it is counted, and looked up again.
-            _remember(self.jit_names, addr, name)
-        return name
+        """The name of the code at ``addr`` (see ``lookup``)."""
+        return self.lookup(addr)[0]
 
     def locate(self, addr: int) -> FrameSource | None:
-        """Where the code at ``addr`` is: its mapping (file, offsets, build id)
-        and, for JIT code with jitdump debug info, its source file and line.
-        Call after ``resolve`` (which loads the mapped object and empties
-        caches that may be void). Cached per address like names: JIT code's
-        (file, line) until the JIT files are read again."""
-        source = self.sources.get(addr)
-        if source is not None:
-            return source
-        symbolizer = self.symbolizer
+        """Where the code at ``addr`` is (see ``lookup``)."""
+        return self.lookup(addr)[1]
+
+    def lookup(self, addr: int) -> tuple[str, FrameSource | None]:
+        """The name of the code at ``addr`` and where it is: its mapping
+        (file, offsets, build id) and, for JIT code with jitdump debug info,
+        its source file and line. Cached per address (see the class)."""
+        symbolizer = self._validate_caches()
+        name, source = self.names.get(addr), self.sources.get(addr)
+        if name is not None and source is not None:
+            return name, source
         if symbolizer is None:
-            return None
-        mapping = symbolizer.mapping_for(addr)
+            return UNKNOWN, None
+        name, source = self.jit_names.get(addr), self.jit_sources.get(addr)
+        if name is not None and source is not None:
+            if self.jit is not None:
+                self.jit.count_cached_hit()
+            return name, source
+        return self._look_up(symbolizer, addr)
+
+    def _look_up(self, symbolizer: ProcessSymbolizer, addr: int
+                 ) -> tuple[str, FrameSource | None]:
+        """``lookup`` past the caches: found by the symbolizer, then cached
+        where there is code (none now: maybe some later)."""
+        name, mapping = symbolizer.lookup(addr)
         if mapping is None:
-            return None
+            return name, None
         if mapping.is_anonymous:
-            source = self.jit_sources.get(addr)
-            if source is not None:
-                return source
-            debug = self.jit.jitdump.debug_info(addr) if self.jit is not None else None
-            source = FrameSource(addr) if debug is None else \
-                FrameSource(addr, None, debug[0], debug[1])
-            if self._current_jit_key(symbolizer) == self._jit_key:
+            jit = self.jit
+            source = self.jit_sources.get(addr)  # cached even where unnamed
+            if source is None:
+                debug = jit.jitdump.debug_info(addr) if jit is not None else None
+                source = FrameSource(addr) if debug is None else \
+                    FrameSource(addr, None, debug[0], debug[1])
+            if mapping.is_exec and self._current_jit_key(symbolizer) == self._jit_key:
+                # Found with the JIT files as they were when this lookup began
+                # (a lookup that re-read them, or the maps, is cached from the
+                # next); a miss is not cached: it is counted, and looked up again.
+                if jit is not None and name != ANON:
+                    _remember(self.jit_names, addr, name)
                 _remember(self.jit_sources, addr, source)
-            return source
+            return name, source
         mapped = self.mapped_files.get(mapping)
         if mapped is None:
             mapped = self.mapped_files[mapping] = MappedFile(
                 mapping.display_path, mapping.start, mapping.end, mapping.offset,
                 symbolizer.build_id_of(mapping))
         source = FrameSource(addr, mapped)
-        # Only where there is code (none now: maybe some later). Emptying a
-        # full cache also forgets the mappings the old sources shared.
-        if mapping.is_exec and not _remember(self.sources, addr, source):
-            self.mapped_files.clear()
-        return source
+        if mapping.is_exec:
+            _remember(self.names, addr, name)
+            # Emptying a full cache also forgets the mappings the old sources shared.
+            if not _remember(self.sources, addr, source):
+                self.mapped_files.clear()
+        return name, source
 
 
 @dataclass

@@ -224,23 +224,27 @@ class ProcessSymbolizer:
 
     def resolve(self, addr: int) -> str:
         """Printable frame name for ``addr``; never raises for runtime conditions."""
+        return self.lookup(addr)[0]
+
+    def lookup(self, addr: int) -> tuple[str, Mapping | None]:
+        """``resolve`` and the mapping the name was found in (None: in none)."""
         m = self.mapping_for(addr)
         if m is None and self._may_refresh():
             self.reload_maps()
             m = self.mapping_for(addr)
         if m is None:
             self.stats.incr(self._maps_error or FailureReason.NO_MAPPING)
-            return UNKNOWN
+            return UNKNOWN, None
         if m.is_vdso:
-            return self._resolve_vdso(m, addr)
+            return self._resolve_vdso(m, addr), m
         if not m.is_exec:
             self.stats.incr(FailureReason.NOT_EXECUTABLE)
-            return UNKNOWN
+            return UNKNOWN, m
         if m.is_anonymous:
-            return self._resolve_anon(m, addr)
+            return self._resolve_anon(m, addr), m
         if m.is_special:  # [vsyscall] and the like: the region name is the answer
-            return m.display_path
-        return self._resolve_file(m, addr)
+            return m.display_path, m
+        return self._resolve_file(m, addr), m
 
     def _resolve_file(self, m: Mapping, addr: int) -> str:
         obj = self._objects.get(m)
