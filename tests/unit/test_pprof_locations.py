@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import gzip
 import os
+import subprocess
+import time
 from collections import Counter
 
 from tramprof.export.formats.folded import folded_line
@@ -23,10 +25,11 @@ from tramprof.model import (
     merge,
 )
 from tramprof.pipeline.frames import KERNEL_MAPPING, located_frames, stack_frames
+from tramprof.procfs.identity import read_stat
 from tramprof.procfs.maps import read_maps
 from tramprof.sampler import layout as bpf_layout
 from tramprof.symbols.elf import ElfCache, read_build_id
-from tramprof.symbols.images import ProcessImage
+from tramprof.symbols.images import ProcessImage, ProcessRegistry
 from tramprof.symbols.usersyms import ProcessSymbolizer
 from tramprof.unwind.arenas import Arenas
 
@@ -219,3 +222,46 @@ def test_the_executable_is_the_first_mapping():
     assert [by_id[loc.mapping_id] for loc in p.location] == [
         "[kernel.kallsyms]", "/usr/lib/x86_64-linux-gnu/libc.so.6",
         "/opt/lib/libfoo-2.0.so.1.2", "/usr/bin/app"]
+
+
+def test_address_caches_of_all_processes_stay_within_their_bound():
+    """Past the bound, the caches of the least recently sampled processes are
+    emptied, the rest kept; emptied ones name their stacks as before."""
+    libc = ctypes.CDLL(None)
+    stack = [ctypes.cast(f, ctypes.c_void_p).value for f in (libc.getpid, libc.qsort,
+                                                             libc.getppid)]
+    child = subprocess.Popen(["/bin/sleep", "60"])
+    try:
+        registry = ProcessRegistry()
+        clk = os.sysconf("SC_CLK_TCK")
+
+        def image_of(pid: int) -> ProcessImage:
+            boot_ns = read_stat(pid).start_ticks * 10**9 // clk
+            image = registry.image(pid, boot_ns, 1, "test")[1]
+            assert image is not None
+            return image
+
+        ours = image_of(os.getpid())
+        names = ours.name_frames(stack)[0]
+        # The child's libc is mapped elsewhere: name its own libc's start
+        # (once its loader has mapped it).
+        deadline = time.monotonic() + 10
+        while not (libcs := [m for m in read_maps(child.pid) if m.is_exec and "libc" in m.path]):
+            assert time.monotonic() < deadline, "the child never mapped libc"
+            time.sleep(0.01)
+        child_libc = libcs[0]
+        theirs = image_of(child.pid)  # sampled after ours
+        child_names = theirs.name_frames([child_libc.start + 16, child_libc.start + 32])[0]
+        assert (ours.cached_addresses(), theirs.cached_addresses()) == (3, 2)
+        assert registry.bound_address_caches(max_addresses=5) == 5
+        assert registry.address_cache_evictions == 0
+        # Past the bound: ours, sampled least recently, is emptied.
+        assert registry.bound_address_caches(max_addresses=4) == 2
+        assert (ours.cached_addresses(), theirs.cached_addresses()) == (0, 2)
+        assert registry.address_cache_evictions == 1
+        assert ours.name_frames(stack)[0] == names
+        assert theirs.name_frames([child_libc.start + 16, child_libc.start + 32])[0] == \
+            child_names
+    finally:
+        child.kill()
+        child.wait()

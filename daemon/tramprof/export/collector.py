@@ -120,6 +120,12 @@ class ProfilerCollector(Collector):
         evictions = _family(fam.SYMBOL_EVICTIONS)
         evictions.add_metric([], stats.symbol_evictions)
         yield evictions
+        addresses = _family(fam.ADDRESS_CACHE)
+        addresses.add_metric([], stats.cached_addresses)
+        yield addresses
+        address_evictions = _family(fam.ADDRESS_CACHE_EVICTIONS)
+        address_evictions.add_metric([], stats.address_cache_evictions)
+        yield address_evictions
         yield from _table_families(stats, bpf)
         yield from _duty_families(stats)
         process_errors = _family(fam.PROCESS_ERRORS)

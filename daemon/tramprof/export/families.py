@@ -136,6 +136,15 @@ PROFILE_STORE_SECONDS = Family(
     "tramprof_profile_store_seconds", "gauge", (),
     "Seconds of samples the windows kept for /profile cover: profile_retention, or fewer "
     "when profile_store_bytes is reached first (very many distinct stacks).")
+ADDRESS_CACHE = Family(
+    "tramprof_address_cache_entries", "gauge", (),
+    "Addresses whose frame names and places are cached, all processes together (~200 bytes "
+    "each); kept within 262,144 by emptying the caches of the least recently sampled "
+    "processes.")
+ADDRESS_CACHE_EVICTIONS = Family(
+    "tramprof_address_cache_evictions", "counter", (),
+    "Processes whose address caches were emptied to keep all within their bound; their "
+    "addresses are looked up again (~5 us each) as they are sampled.")
 SYMBOL_EVICTIONS = Family(
     "tramprof_symbol_evictions", "counter", (),
     "Perf map / jitdump indexes and debug file tables dropped to stay within "
@@ -250,8 +259,8 @@ ALL: tuple[Family, ...] = (
     UNWIND_REFUSALS, UNWIND_TABLE_BYTES, UNWIND_TABLE_OBJECTS, UNWIND_TABLE_ROWS,
     UNWIND_TABLE_EVICTIONS, UNWIND_TABLE_BUILDS, UNWIND_TABLE_BUILD_SECONDS, UNWIND_TABLE_STOPS,
     PYTHON_DUTY_CYCLE, PYTHON_OVERHEAD, PROCESS_ERRORS, INJECTIONS, SYMBOL_MEMORY,
-    SYMBOL_EVICTIONS, PROFILE_STORE_BYTES, PROFILE_STORE_SECONDS, STACK_SAMPLES,
-    FUNCTION_SAMPLES, DROPPED_SERIES, SERIES, BUILD_INFO,
+    SYMBOL_EVICTIONS, ADDRESS_CACHE, ADDRESS_CACHE_EVICTIONS, PROFILE_STORE_BYTES,
+    PROFILE_STORE_SECONDS, STACK_SAMPLES, FUNCTION_SAMPLES, DROPPED_SERIES, SERIES, BUILD_INFO,
 )
 
 

@@ -341,6 +341,8 @@ class Profiler:
         self.stats.symbol_memory_bytes = self.registry.enforce_memory_budget(
             self.config.symbol_memory_bytes)
         self.stats.symbol_evictions = self.registry.jit_evictions
+        self.stats.cached_addresses = self.registry.bound_address_caches()
+        self.stats.address_cache_evictions = self.registry.address_cache_evictions
         jit = self.registry.jit_totals()
         self.stats.jit_counters, self.stats.jit_entries, self.stats.jit_files = \
             jit.counters, jit.entries, jit.files

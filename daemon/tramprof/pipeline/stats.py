@@ -79,6 +79,10 @@ class ProfilerStats:
     # dropped to stay within symbol_memory_bytes.
     symbol_memory_bytes: int = 0
     symbol_evictions: int = 0
+    # Addresses whose names and places are cached, all processes together,
+    # and how many processes' caches were emptied to stay within the bound.
+    cached_addresses: int = 0
+    address_cache_evictions: int = 0
     # Failures inside the per-process error boundary, by stage.
     process_errors: Counter[str] = field(default_factory=Counter)
     # Automatic injections (inject_* settings) by result.

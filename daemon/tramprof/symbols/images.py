@@ -12,9 +12,11 @@ exited are still in the kernel buffer and need its state once more.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TypeVar, cast
 
 from tramprof.model import FrameSource, MappedFile, ProcessGone, SymbolizationError
@@ -34,6 +36,11 @@ log = logging.getLogger(__name__)
 # Distinct addresses remembered per process image; bounds memory for
 # processes with huge, ever-changing JIT code.
 MAX_CACHED_ADDRESSES = 65536
+#: Distinct addresses remembered by all process images together (~200 bytes
+#: each with their names' and places' share: ~50 MiB). Past it, the caches of
+#: the least recently sampled images are emptied: a long-lived node keeps
+#: meeting new addresses in processes that live for weeks.
+MAX_CACHED_ADDRESSES_TOTAL = 1 << 18
 # Exec generations kept per process (a process that execs in a loop).
 MAX_IMAGES = 2
 
@@ -76,6 +83,20 @@ class ProcessImage:
     sources: dict[int, FrameSource] = field(default_factory=dict)
     jit_sources: dict[int, FrameSource] = field(default_factory=dict)
     mapped_files: dict[Mapping, MappedFile] = field(default_factory=dict)
+    #: When a drain last named stacks with this image (monotonic seconds).
+    last_used: float = 0.0
+
+    def cached_addresses(self) -> int:
+        """Addresses whose names and places are cached."""
+        return len(self.names) + len(self.jit_names)
+
+    def forget_addresses(self) -> None:
+        """Empty the address caches (they fill again as stacks are named)."""
+        self.names.clear()
+        self.sources.clear()
+        self.jit_names.clear()
+        self.jit_sources.clear()
+        self.mapped_files.clear()
 
     def _validate_caches(self) -> ProcessSymbolizer | None:
         """Empty the caches whose answers may be void now; the symbolizer."""
@@ -263,6 +284,9 @@ class ProcessRegistry:
         self._retired = JitTotals()
         self.jit_evictions = 0
         self.jit_memory_bytes = 0
+        #: Process images whose address caches were emptied to stay within
+        #: ``bound_address_caches``'s bound.
+        self.address_cache_evictions = 0
 
     def __len__(self) -> int:
         return len(self._table)
@@ -291,13 +315,16 @@ class ProcessRegistry:
             self.failures["process_exited"] += 1
             return fallback_name, None
         image = state.images.get(exec_id)
-        if image is None:
+        if image is not None:
+            image.last_used = time.monotonic()
+        else:
             if state.images and exec_id < max(state.images):
                 # An image the process has left before we first looked at it.
                 self.failures["image_replaced_by_exec"] += 1
                 image = ProcessImage(symbolizer=None)
             else:
                 image = self._image(identity.pid, start_boottime_ns)
+            image.last_used = time.monotonic()
             state.images[exec_id] = image
             while len(state.images) > MAX_IMAGES:
                 self._retired.add_image(state.images.pop(min(state.images)), live=False)
@@ -368,6 +395,27 @@ class ProcessRegistry:
         total, evicted = evict_to_budget(readers, budget)
         self.jit_evictions += evicted
         self.jit_memory_bytes = total
+        return total
+
+    def bound_address_caches(self, max_addresses: int = MAX_CACHED_ADDRESSES_TOTAL) -> int:
+        """Keep the address caches of all process images within
+        ``max_addresses`` together: past it, empty those of the least recently
+        sampled images until a quarter of the room is free again (not a few
+        addresses at every drain). Returns the addresses cached after."""
+        images = [image for identity in self._table.identities()
+                  if (state := self._table.get(identity.pid, identity.start_ticks)) is not None
+                  for image in state.images.values()]
+        total = sum(image.cached_addresses() for image in images)
+        if total <= max_addresses:
+            return total
+        for image in sorted(images, key=attrgetter("last_used")):
+            if total <= max_addresses * 3 // 4:
+                break
+            cached = image.cached_addresses()
+            if cached:
+                total -= cached
+                image.forget_addresses()
+                self.address_cache_evictions += 1
         return total
 
     def metadata(self, pid: int) -> ProcessMetadata | None:
