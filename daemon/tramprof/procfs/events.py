@@ -412,7 +412,7 @@ def _filtered_control_class() -> Any:
     """
     global _filtered_control
     if _filtered_control is None:
-        cn_msg = _pyroute2("netlink.connector").cn_msg
+        cn_msg: Any = _pyroute2("netlink.connector").cn_msg
 
         class proc_input_control(cn_msg):  # type: ignore[misc]
             fields = (*cn_msg.fields, ("mcast_op", "I"), ("event_type", "I"))
