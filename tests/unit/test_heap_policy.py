@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from tramprof.pipeline.heap import HeapPolicy
+from tramprof.pipeline.heap import HeapPolicy, malloc_trim
 
 
 class Node:
@@ -51,3 +51,32 @@ def test_frozen_cycles_wait_for_the_full_collection():
     finally:
         policy.close()
     assert gc.get_freeze_count() == 0
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+def test_memory_a_drain_freed_goes_back_to_the_kernel():
+    """Freed memory below the top of glibc's heap stays resident until it is
+    trimmed: after a drain it is given back."""
+    trim = malloc_trim()
+    assert trim is not None, "glibc has malloc_trim"
+    policy = HeapPolicy(trim=trim)
+    try:
+        # 64 MiB in blocks glibc serves from its heap (below its mmap
+        # threshold), then a small one on top that keeps the heap from
+        # shrinking when the rest is freed.
+        blocks = [bytearray(64 << 10) for _ in range(1024)]
+        for block in blocks:
+            block[::4096] = b"x" * len(block[::4096])  # touch every page
+        pin = bytearray(64 << 10)
+        del blocks
+        before = rss_kib()
+        policy.after_drain()
+        after = rss_kib()
+        assert before - after > 48 << 10, (before, after)
+        del pin
+    finally:
+        policy.close()
