@@ -25,7 +25,8 @@ and of its main thread alone, the one that drains), each drain's duration
 series update after it; read from whole ``/metrics`` scrapes every
 ``--scrape-interval`` seconds, as the shipped Prometheus configuration scrapes,
 and nothing else asks the daemon for anything in the window), RSS (steady
-VmRSS, peak VmHWM); then full ``/metrics`` scrape latency (gzip, as
+VmRSS at the window's end and how fast it grew over the window, peak
+VmHWM); then full ``/metrics`` scrape latency (gzip, as
 Prometheus asks) and the distinct folded stacks of single drained windows.
 
 Every worker runs in one process group that is killed on exit, failure or
@@ -298,6 +299,7 @@ class Result:
     window_samples: list[int] = field(default_factory=list)
     rss_peak: float = 0.0
     rss_steady: float = 0.0
+    rss_growth: float = 0.0  # MiB a minute over the window
     scrape_ms: list[float] = field(default_factory=list)
     scrape_bytes: int = 0
     recorded_per_s: float = 0.0
@@ -358,6 +360,7 @@ def measure(frequency: int, daemon: LoggedDaemon, args: argparse.Namespace) -> R
     before = daemon.metrics("tramprof_perf_events_total")
     drains: dict[float, float] = {}
     main0 = daemon.helper_threads_cpu(main=True)
+    rss0 = daemon.status("VmRSS")
     cpu0, busy0, t0 = daemon.cpu_with_children(), host_busy(), time.monotonic()
     # Scraped as the shipped Prometheus configuration does (whole /metrics,
     # gzip, every --scrape-interval s); each scrape also tells the last
@@ -378,6 +381,7 @@ def measure(frequency: int, daemon: LoggedDaemon, args: argparse.Namespace) -> R
     first = min(drains)  # may have drained before the window began
     result.drains_ms = [v * 1e3 for k, v in drains.items() if k > first]
     result.rss_peak, result.rss_steady = daemon.status("VmHWM"), daemon.status("VmRSS")
+    result.rss_growth = (result.rss_steady - rss0) / (t1 - t0) * 60
     after = daemon.metrics()
     events = {dict(k[1]).get("outcome"): v for k, v in after.items()
               if k[0] == "tramprof_perf_events_total"}
@@ -488,6 +492,7 @@ def report(results: list[Result]) -> None:
         f"99 Hz target <= {t['rss_mib']:.0f} MiB ({mark(r99.rss_steady <= t['rss_mib'])})"
         if r99 else "")
     row("RSS peak (VmHWM) MiB", [f"{r.rss_peak:.1f}" for r in results])
+    row("RSS growth in window MiB/min", [f"{r.rss_growth:+.1f}" for r in results])
     row("/metrics ms p50 / p99 (gzip)", [f"{median(r.scrape_ms):.1f} / "
                                              f"{percentile(r.scrape_ms, 0.99):.1f}"
                                              for r in results])
