@@ -35,6 +35,13 @@ def _family(f: fam.Family) -> CounterMetricFamily | GaugeMetricFamily:
     return GaugeMetricFamily(f.name, f.help, labels=f.labels)
 
 
+def _single(f: fam.Family, value: float) -> CounterMetricFamily | GaugeMetricFamily:
+    """A family without labels and its one sample."""
+    family = _family(f)
+    family.add_metric([], value)
+    return family
+
+
 class ProfilerCollector(Collector):
     """Reads a ProfilerStats snapshot from ``source`` on every scrape."""
 
@@ -80,25 +87,17 @@ class ProfilerCollector(Collector):
             failures.add_metric([reason], count)
         yield failures
 
-        processes = _family(fam.PROCESSES)
-        processes.add_metric([], stats.processes)
-        yield processes
+        yield _single(fam.PROCESSES, stats.processes)
 
         proc_events = _family(fam.PROCESS_EVENTS)
         for kind, count in sorted(stats.process_events.items()):
             proc_events.add_metric([kind], count)
         yield proc_events
 
-        lost_events = _family(fam.NEW_PROCESS_EVENTS_LOST)
-        lost_events.add_metric([], stats.new_process_events_lost)
-        yield lost_events
+        yield _single(fam.NEW_PROCESS_EVENTS_LOST, stats.new_process_events_lost)
 
-        drains = _family(fam.DRAINS)
-        drains.add_metric([], stats.drains)
-        yield drains
-        drain_seconds = _family(fam.DRAIN_SECONDS)
-        drain_seconds.add_metric([], stats.last_drain_seconds)
-        yield drain_seconds
+        yield _single(fam.DRAINS, stats.drains)
+        yield _single(fam.DRAIN_SECONDS, stats.last_drain_seconds)
 
         yield from _jit_families(stats)
 
@@ -114,18 +113,10 @@ class ProfilerCollector(Collector):
                 scan_refusals.add_metric([reason], count)
         yield refusals
         yield scan_refusals
-        memory = _family(fam.SYMBOL_MEMORY)
-        memory.add_metric([], stats.symbol_memory_bytes)
-        yield memory
-        evictions = _family(fam.SYMBOL_EVICTIONS)
-        evictions.add_metric([], stats.symbol_evictions)
-        yield evictions
-        addresses = _family(fam.ADDRESS_CACHE)
-        addresses.add_metric([], stats.cached_addresses)
-        yield addresses
-        address_evictions = _family(fam.ADDRESS_CACHE_EVICTIONS)
-        address_evictions.add_metric([], stats.address_cache_evictions)
-        yield address_evictions
+        yield _single(fam.SYMBOL_MEMORY, stats.symbol_memory_bytes)
+        yield _single(fam.SYMBOL_EVICTIONS, stats.symbol_evictions)
+        yield _single(fam.ADDRESS_CACHE, stats.cached_addresses)
+        yield _single(fam.ADDRESS_CACHE_EVICTIONS, stats.address_cache_evictions)
         yield from _table_families(stats, bpf)
         yield from _duty_families(stats)
         process_errors = _family(fam.PROCESS_ERRORS)
@@ -146,12 +137,8 @@ class ProfilerCollector(Collector):
             yield family
 
         if stats.bpf_run_time_ns is not None and stats.bpf_run_count is not None:
-            run_seconds = _family(fam.BPF_RUN_SECONDS)
-            run_seconds.add_metric([], stats.bpf_run_time_ns / 1e9)
-            yield run_seconds
-            runs = _family(fam.BPF_RUNS)
-            runs.add_metric([], stats.bpf_run_count)
-            yield runs
+            yield _single(fam.BPF_RUN_SECONDS, stats.bpf_run_time_ns / 1e9)
+            yield _single(fam.BPF_RUNS, stats.bpf_run_count)
 
 
 JIT_KINDS = ("perf_map", "jitdump")
@@ -193,11 +180,8 @@ class StoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         held_bytes, held_seconds = self._store.held()
-        memory, seconds = _family(fam.PROFILE_STORE_BYTES), _family(fam.PROFILE_STORE_SECONDS)
-        memory.add_metric([], held_bytes)
-        seconds.add_metric([], held_seconds)
-        yield memory
-        yield seconds
+        yield _single(fam.PROFILE_STORE_BYTES, held_bytes)
+        yield _single(fam.PROFILE_STORE_SECONDS, held_seconds)
 
 
 class Consistent(Collector):

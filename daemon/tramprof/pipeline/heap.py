@@ -24,7 +24,7 @@ minutes.
 Memory freed by a drain goes back to the C allocator, which keeps it: glibc
 returns only what lies at the top of its heap. After each drain its free
 pages are handed back to the kernel (``malloc_trim``): on the busy node the
-daemon's resident memory was ~13 MiB lower for ~0.3 ms a drain. Where the C
+daemon's resident memory was 7-13 MiB lower for 0.2-0.8 ms a drain. Where the C
 library has no such call (musl), nothing is trimmed.
 """
 
