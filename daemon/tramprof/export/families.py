@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tramprof.symbols.images import MAX_CACHED_ADDRESSES_TOTAL
+
 
 @dataclass(frozen=True)
 class Family:
@@ -139,8 +141,8 @@ PROFILE_STORE_SECONDS = Family(
 ADDRESS_CACHE = Family(
     "tramprof_address_cache_entries", "gauge", (),
     "Addresses whose frame names and places are cached, all processes together (~200 bytes "
-    "each); kept within 262,144 by emptying the caches of the least recently sampled "
-    "processes.")
+    f"each); kept within {MAX_CACHED_ADDRESSES_TOTAL:,} by emptying the caches of the least "
+    "recently sampled processes.")
 ADDRESS_CACHE_EVICTIONS = Family(
     "tramprof_address_cache_evictions", "counter", (),
     "Processes whose address caches were emptied to keep all within their bound; their "

@@ -77,6 +77,10 @@ class ProcessTable(Generic[T]):
     def identities(self) -> list[ProcessIdentity]:
         return [ProcessIdentity(pid, e.start_ticks) for pid, e in self._entries.items()]
 
+    def values(self) -> list[T]:
+        """The state of every process held."""
+        return [entry.value for entry in self._entries.values()]
+
     def get(self, pid: int, start_ticks: int) -> T | None:
         """The state of exactly this process, if held; never reads /proc."""
         entry = self._entries.get(pid)

@@ -315,19 +315,17 @@ class ProcessRegistry:
             self.failures["process_exited"] += 1
             return fallback_name, None
         image = state.images.get(exec_id)
-        if image is not None:
-            image.last_used = time.monotonic()
-        else:
+        if image is None:
             if state.images and exec_id < max(state.images):
                 # An image the process has left before we first looked at it.
                 self.failures["image_replaced_by_exec"] += 1
                 image = ProcessImage(symbolizer=None)
             else:
                 image = self._image(identity.pid, start_boottime_ns)
-            image.last_used = time.monotonic()
             state.images[exec_id] = image
             while len(state.images) > MAX_IMAGES:
                 self._retired.add_image(state.images.pop(min(state.images)), live=False)
+        image.last_used = time.monotonic()
         return state.name, image
 
     def warm(self, tgid: int, start_boottime_ns: int, exec_id: int) -> ProcessImage | None:
@@ -373,19 +371,16 @@ class ProcessRegistry:
     def jit_totals(self) -> JitTotals:
         """Counters of every perf map / jitdump read so far, gauges of live ones."""
         totals = JitTotals(counters=Counter(self._retired.counters))
-        for identity in self._table.identities():
-            state = self._table.get(identity.pid, identity.start_ticks)
-            for image in state.images.values() if state else ():
-                totals.add_image(image, live=True)
+        for image in self._live_images():
+            totals.add_image(image, live=True)
         return totals
 
+    def _live_images(self) -> list[ProcessImage]:
+        """The images of every process held."""
+        return [image for state in self._table.values() for image in state.images.values()]
+
     def _live_jit(self) -> list[JitSymbols]:
-        out: list[JitSymbols] = []
-        for identity in self._table.identities():
-            state = self._table.get(identity.pid, identity.start_ticks)
-            out.extend(image.jit for image in (state.images.values() if state else ())
-                       if image.jit is not None)
-        return out
+        return [image.jit for image in self._live_images() if image.jit is not None]
 
     def enforce_memory_budget(self, budget: int) -> int:
         """Keep the JIT indexes of live processes and the debug file tables
@@ -402,9 +397,7 @@ class ProcessRegistry:
         ``max_addresses`` together: past it, empty those of the least recently
         sampled images until a quarter of the room is free again (not a few
         addresses at every drain). Returns the addresses cached after."""
-        images = [image for identity in self._table.identities()
-                  if (state := self._table.get(identity.pid, identity.start_ticks)) is not None
-                  for image in state.images.values()]
+        images = self._live_images()
         total = sum(image.cached_addresses() for image in images)
         if total <= max_addresses:
             return total
