@@ -16,7 +16,10 @@
  * Limits: at most TP_MAX_TRAMP records (more: TP_CHAIN_TRUNCATED). Stops at
  * the first record that fails validation - unreadable, misaligned, not above
  * the previous one, or `self` not a stub start in one of the process's arenas
- * (TP_CHAIN_INVALID); the records before it are kept.
+ * (TP_CHAIN_INVALID); the records before it are kept. A `self` on a page of
+ * no known arena also marks the process in stale_chains (note_stale_chain(),
+ * profile.bpf.c): its runtime may have made an arena the daemon has not
+ * installed yet.
  *
  * Part of profile.bpf.c (one translation unit for bcc): included after the
  * maps and shared helpers, not on its own.
@@ -79,6 +82,7 @@ static __always_inline int walk_chain(struct tp_user_stack *st, struct tp_stack_
             page.page = stub & ~0xFFFULL;
             __u64 *arena = stub_arena_of(&page);
             if (!arena) {
+                note_stale_chain(tgid);
                 st->flags |= TP_CHAIN_INVALID;
                 break;
             }

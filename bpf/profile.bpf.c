@@ -184,6 +184,11 @@ BPF_ARRAY_OF_MAPS(unwind_chunks, "unwind_chunk", TP_MAX_UNWIND_CHUNKS);
 BPF_F_TABLE("hash", __u32, struct tp_unwind_proc, unwind_procs, TP_MAX_UNWIND_PROCS,
             BPF_F_NO_PREALLOC);
 BPF_HASH(stub_pages, struct tp_stub_page, __u64, TP_MAX_STUB_PAGES);
+/* Processes whose chain walk met a stub on a page none of their installed
+ * arenas covers (the runtime made an arena since): the daemon reads their
+ * descriptors at its next look instead of every runtime's, every second.
+ * The value is unused; the daemon deletes what it has read. */
+BPF_HASH(stale_chains, __u32, __u8, TP_MAX_CHAIN_PROCS);
 BPF_TABLE("lru_hash", struct tp_process_seen, __u8, seen_processes, TP_MAX_SEEN);
 BPF_PERF_OUTPUT(new_processes);
 BPF_STACK_TRACE(kstacks0, TP_MAX_KSTACKS);
@@ -316,6 +321,15 @@ static __always_inline int stack_pair(struct tp_stack_page *copy, __u64 *copied,
 static __always_inline __u64 *stub_arena_of(struct tp_stub_page *page)
 {
     return stub_pages.lookup(page);
+}
+
+/* Tells the daemon that `tgid`'s chain went through an arena it has not
+ * installed (stale_chains). */
+static __always_inline void note_stale_chain(__u32 tgid)
+{
+    __u8 yes = 1;
+    if (!stale_chains.lookup(&tgid))
+        stale_chains.update(&tgid, &yes);
 }
 
 /* Row `index` of the global row space, or 0 when its chunk is not loaded. */

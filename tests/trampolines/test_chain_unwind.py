@@ -7,10 +7,15 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from tramprof.export.formats.folded import parse_folded
+from tramprof.procfs.maps import read_maps
+from tramprof.sampler.layout import Counter as C
+from tramprof.sampler.program import Sampler, SamplerConfig
+from tramprof.unwind.chain import ChainMode
 
 from .conftest import Interp
 
@@ -173,3 +178,48 @@ def test_function_shares_agree_with_py_spy(host_interp: Interp, tmp_path: Path) 
     a, b = callers(mine_by_caller), callers(theirs_by_caller)
     for function in ("work_a", "work_b", "work_c"):
         assert abs(a.get(function, 0) - b.get(function, 0)) <= 0.03, (a, b)
+
+
+def test_a_new_arena_is_reported_by_the_walker_and_installed_between_drains(
+        host_interp: Interp) -> None:
+    """Between drains the chain mode reads only the descriptors of runtimes
+    whose chain met a stub outside the installed arenas: the BPF walker
+    reports them (stale_chains) and the next light refresh installs the new
+    arenas; from then on the chains are whole again."""
+    proc = start(host_interp, "grow", "30", "3000")
+    try:
+        with Sampler(SamplerConfig(frequency=499)) as sampler:
+            sampler.set_targets([proc.pid])
+            chain = ChainMode(sampler)
+            chain.consider(proc.pid, read_maps(proc.pid))
+            time.sleep(0.5)
+            chain.refresh({proc.pid}, full=False)  # nothing reported: nothing read
+            arenas = chain.arenas(proc.pid)
+            assert arenas is not None, chain.report(proc.pid)
+            installed = len(arenas)
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "grown"
+            time.sleep(1)
+            # Spinning in stubs no installed arena covers: every walk stops
+            # there, and the walker reports the process, so a light refresh
+            # reads its descriptor.
+            chain.refresh({proc.pid}, full=False)
+            grown = chain.arenas(proc.pid)
+            assert grown is not None and len(grown) >= installed + 3  # 3000 stubs, 819 an arena
+            sampler.drain()
+            sampler.take_stale_chains()  # what walks before the install left
+            before = sampler.counters()
+            time.sleep(1)
+            after = sampler.counters()
+            assert sampler.take_stale_chains() == set()
+            stacks = sampler.drain()
+    finally:
+        stop(proc)
+    recorded = after[C.CHAIN_SAMPLES] - before[C.CHAIN_SAMPLES]
+    assert recorded > 300, (before, after)
+    assert after[C.CHAIN_INVALID] - before[C.CHAIN_INVALID] <= 5, (before, after)
+    # grow -> fresh2999 -> leaf, three trampoline frames above main's.
+    assert sum(s.count for s in stacks if len(s.trampoline_frames) >= 5) >= 0.95 * sum(
+        s.count for s in stacks), [len(s.trampoline_frames) for s in stacks][:10]

@@ -45,6 +45,7 @@ class RecordingMaps:
     def __init__(self) -> None:
         self.state: dict[tuple[int, bytes], tuple[ctypes.Structure, set[tuple[int, int]]]] = {}
         self.calls: list[tuple[str, int, bytes]] = []
+        self.stale: set[int] = set()  # what the chain walker would report
 
     def install(self, tgid, walker, record, arenas) -> None:
         self.calls.append(("install", tgid, walker))
@@ -54,6 +55,10 @@ class RecordingMaps:
     def remove(self, tgid, walker) -> None:
         self.calls.append(("remove", tgid, walker))
         self.state.pop((tgid, walker), None)
+
+    def take_stale_chains(self) -> set[int]:
+        stale, self.stale = self.stale, set()
+        return stale
 
 
 # --- a fixture /proc with one process running CPython -X perf stubs ----------
@@ -226,6 +231,37 @@ def test_chain_mode_reads_the_whole_descriptor_only_when_its_generation_moves(
         [(ARENA, ARENA + 0x1000), (ARENA + 0x4000, ARENA + 0x5000)])))
     chain.refresh({PID})
     assert reads == [PID, PID] and ARENA + 0x4000 in chain.arenas(PID)
+
+
+def test_between_drains_the_chain_mode_reads_only_what_the_walker_reported(
+        runtime_mappings, monkeypatch):
+    """After a drain every runtime's descriptor is read; between drains only
+    those whose chain met an arena not installed yet (the walker's report),
+    and every one when an overhead budget is to be kept."""
+    published = [descriptor(True, [(ARENA, ARENA + 0x1000)])]
+    publish(monkeypatch, published)
+    looked: list[int] = []
+    monkeypatch.setattr(chain_module, "read_changes", lambda pid, known, root, memory: (
+        looked.append(pid), Changes(published[-1].generation, published[-1].duty))[1])
+    maps = RecordingMaps()
+    chain = ChainMode(maps, str(runtime_mappings))
+    chain.consider(PID, mappings(runtime_mappings))
+    assert chain.unwinds(PID)
+    published.append(descriptor(True, [(ARENA, ARENA + 0x1000), (ARENA + 0x8000, ARENA + 0x9000)],
+                                generation=2))
+    chain.refresh({PID}, full=False)
+    assert looked == [] and ARENA + 0x8000 not in chain.arenas(PID)
+    maps.stale = {PID, PID + 1}  # another process's report is not this mode's business
+    chain.refresh({PID}, full=False)
+    assert looked == [PID] and ARENA + 0x8000 in chain.arenas(PID)
+    chain.refresh({PID}, full=False)
+    assert looked == [PID]
+    chain.refresh({PID})
+    assert looked == [PID, PID]
+    budgeted = ChainMode(maps, str(runtime_mappings), python_overhead_budget=0.05)
+    budgeted.consider(PID, mappings(runtime_mappings))
+    budgeted.refresh({PID}, full=False)
+    assert looked == [PID] * 3
 
 
 def test_chain_mode_counts_unreadable_and_unsupported_descriptors(runtime_mappings,

@@ -45,15 +45,22 @@ log = logging.getLogger(__name__)
 # A process whose handling failed is left alone this long (seconds), so a
 # process that fails every time costs one attempt per back-off, not per drain.
 ERROR_BACKOFF_SECONDS = 60.0
-# Between drains the unwinding modes are refreshed at most once a second (as
-# when the loop wakes on its one-second timeout alone), and less often when
-# a refresh costs more than this share of the time until the next one: a
-# refresh re-reads every runtime's descriptor (tens of ms of CPU for a
-# hundred Python processes), and on a busy host process events wake the
-# loop dozens of times a second. After every drain they are refreshed anyway.
+# After every drain the unwinding modes are refreshed: every runtime's
+# descriptor is read again (tens of ms of CPU for a hundred Python processes).
+# Between drains they are refreshed at most once a second (as when the loop
+# wakes on its one-second timeout alone), looking only at what may have
+# changed (the runtimes whose chain met an arena not installed yet), and less
+# often when that costs more than this share of the time until the next one:
+# on a busy host process events wake the loop dozens of times a second.
 # In between, each wake follows only the modes' newcomers (unwind.mode).
 MODE_REFRESH_SECONDS = 1.0
 MODE_REFRESH_SHARE = 0.05
+# Held processes are checked against /proc after a drain at least this often
+# (seconds), and after every drain that followed lost events. Exit events
+# remove nearly all; the check catches the rest (a process whose main thread
+# exited first sends no process-level exit event) at a stat read per held
+# process, a tenth of a busy node's drain if done at every drain.
+RESYNC_SECONDS = 30.0
 # Lifecycle events are read at least this often (seconds); the kernel keeps
 # thousands meanwhile (procfs.events: a receive buffer of up to 8 MiB), and
 # an overflow is counted and answered by a /proc rescan.
@@ -162,6 +169,7 @@ class Profiler:
         # process name, namer and stubs): samples come sorted by image.
         self._naming: tuple[tuple[int, int, int], str, UserNamer, Arenas | None] | None = None
         self._next_mode_refresh = float("-inf")  # monotonic seconds
+        self._next_resync = time.monotonic() + RESYNC_SECONDS
 
     def start(self) -> None:
         # Compile first, while this process is still small: the compiler
@@ -201,8 +209,9 @@ class Profiler:
         """Warm newly sampled processes, queue lifecycle events (applied after
         the next drain), refresh the unwinding modes when due and follow
         their newcomers in between."""
-        if self._handle_process_events() or time.monotonic() >= self._next_mode_refresh:
-            self._refresh_modes()
+        resynced = self._handle_process_events()
+        if resynced or time.monotonic() >= self._next_mode_refresh:
+            self._refresh_modes(full=resynced)
         elif self.unwinders.following():
             try:
                 self.unwinders.follow({identity.pid for identity in self.registry.identities()})
@@ -256,16 +265,18 @@ class Profiler:
         """Roll back what the modes installed for a process that failed."""
         self.unwinders.forget(pid)
 
-    def _refresh_modes(self) -> None:
+    def _refresh_modes(self, full: bool) -> None:
+        """Refresh the unwinding modes: ``full`` after a drain or a resync,
+        else each looks only at what may have changed (``UnwindMode.refresh``)."""
         began, cpu_began = time.monotonic(), time.thread_time()
         try:
-            self._refresh_modes_now()
+            self._refresh_modes_now(full)
         finally:
             cost = time.thread_time() - cpu_began
             self._next_mode_refresh = began + max(MODE_REFRESH_SECONDS,
                                                   cost / MODE_REFRESH_SHARE)
 
-    def _refresh_modes_now(self) -> None:
+    def _refresh_modes_now(self, full: bool) -> None:
         live = {identity.pid for identity in self.registry.identities()}
         self.errors.forget_exited(live)
         for pid in [p for p in self._considered if p not in live]:
@@ -274,7 +285,7 @@ class Profiler:
         for pid in live - healthy:
             self.unwinders.forget(pid)
         try:
-            self.unwinders.refresh(healthy)
+            self.unwinders.refresh(healthy, full)
         except Exception:
             # A mode's refresh is per process inside; what escapes is a bug of
             # the mode itself: count it, keep what is installed, try next time.
@@ -309,12 +320,14 @@ class Profiler:
                                               partial(self._drop, pid)):
                         self._consider(pid, image)
             # The modes are refreshed below, once the pending events are applied.
-            self._handle_process_events()
+            resynced = self._handle_process_events()
             self.registry.apply_pending()
             # A process whose main thread exits first sends no process-level exit
-            # event; a /proc check after every drain catches it.
-            self.registry.resync()
-            self._refresh_modes()
+            # event; a /proc check now and then catches it.
+            if resynced or time.monotonic() >= self._next_resync:
+                self.registry.resync()
+                self._next_resync = time.monotonic() + RESYNC_SECONDS
+            self._refresh_modes(full=True)
             self._update_stats(stacks, began)
             self.heap.after_drain()
         return stacks

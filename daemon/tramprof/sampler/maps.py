@@ -102,6 +102,19 @@ class ProcessMaps:
         if not held:
             self._held.pop(tgid, None)
 
+    def take_stale_chains(self) -> set[int]:
+        """Processes whose chain walk met a stub outside the arenas installed
+        for them (``stale_chains``) since the last call; the entries read are
+        deleted (one set again meanwhile is lost: the next sample of that
+        process sets it again). Two system calls when there are any, one
+        when there are none."""
+        table = self._bpf.get_table(b"stale_chains", keytype=ctypes.c_uint32,
+                                    leaftype=ctypes.c_uint8)
+        keys = [key for key, _value in table.iter_raw()]
+        if keys:
+            table.delete_raw(keys)
+        return {int.from_bytes(key[:4], "little") for key in keys}
+
     def _delete_page(self, tgid: int, page: int) -> None:
         with contextlib.suppress(KeyError):
             del self._pages[layout.StubPage(tgid=tgid, page=page)]

@@ -442,6 +442,9 @@ class Sampler:
     def remove(self, tgid: int, walker: bytes) -> None:
         self.maps.remove(tgid, walker)
 
+    def take_stale_chains(self) -> set[int]:
+        return self.maps.take_stale_chains()
+
     # The table mode's writer (unwind.tables.TableWriter).
     def load_rows(self, rows: bytes) -> int:
         return self.tables.load(rows)

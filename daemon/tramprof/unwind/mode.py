@@ -49,6 +49,11 @@ class MapWriter(Protocol):
 
     def remove(self, tgid: int, walker: bytes) -> None: ...
 
+    def take_stale_chains(self) -> set[int]:
+        """Processes whose chain walk met a stub outside the arenas installed
+        for them since the last call (their runtime made an arena since)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ModeReport:
@@ -71,9 +76,11 @@ class UnwindMode(Protocol):
         """A process image was sampled for the first time: take it on if its
         mappings show this mode's stubs (or a runtime that will make them)."""
 
-    def refresh(self, live: set[int]) -> None:
-        """After a drain: follow new stubs of the processes in ``live`` and
-        forget every other process."""
+    def refresh(self, live: set[int], full: bool = True) -> None:
+        """After a drain (``full``): follow new stubs of the processes in
+        ``live`` and forget every other process. Also about once a second
+        between drains (not ``full``): a mode may then look only at what may
+        have changed since, and forgetting may wait."""
 
     def follow(self, live: set[int]) -> None:
         """Between refreshes, on every wake of the loop: look again only at
@@ -146,13 +153,13 @@ class UnwindModes:
         for native in self.native:
             native.note_code(pid, sources)
 
-    def refresh(self, live: set[int]) -> None:
+    def refresh(self, live: set[int], full: bool = True) -> None:
         taken: set[int] = set()
         for mode in self.modes:
-            mode.refresh(live - taken)
+            mode.refresh(live - taken, full)
             taken |= mode.unwound() & live
         for native in self.native:
-            native.refresh(live)
+            native.refresh(live, full)
 
     def follow(self, live: set[int]) -> None:
         for mode in (*self.modes, *self.native):
@@ -238,10 +245,13 @@ class DryRunMaps:
     def remove(self, tgid: int, walker: bytes) -> None:
         pass
 
+    def take_stale_chains(self) -> set[int]:
+        return set()
+
 
 class Newcomers:
-    """Candidates a mode took in the last NEWCOMER_SECONDS. A full refresh
-    re-reads every process and runs about once a second; a newcomer's
+    """Candidates a mode took in the last NEWCOMER_SECONDS. A refresh looks
+    at a process about once a second at most; a newcomer's
     runtime activates milliseconds after the mode first saw it, and its
     first stubs fill new arenas while its code runs for the first time (a
     stub in an arena not yet installed ends the walk there). A command that

@@ -156,7 +156,9 @@ class ScanMode:
         self._update(pid)
         self._newcomers.add(pid)
 
-    def refresh(self, live: set[int]) -> None:
+    def refresh(self, live: set[int], full: bool = True) -> None:
+        # CPython's trampolines give the walker no sign of a new arena: every
+        # refresh looks (at processes whose perf map had Python entries).
         now = self._now()
         for pid, cand in list(self._candidates.items()):
             if pid not in live:

@@ -266,7 +266,12 @@ class TableMode:
         if proc is not None:
             proc.wanted.update(range(len(proc.mappings)))
 
-    def refresh(self, live: set[int]) -> None:
+    def refresh(self, live: set[int], full: bool = True) -> None:
+        # What is wanted comes from drained stacks (note_code) and finished
+        # builds are installed as they finish (follow): between drains there
+        # is nothing new to look at.
+        if not full:
+            return
         for pid in [p for p in self._procs if p not in live]:
             self.forget(pid)
         if self.budget_bytes <= 0:

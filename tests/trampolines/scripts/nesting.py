@@ -6,6 +6,9 @@
     nesting.py zlib SECONDS       compress_loop -> zlib.compress (native leaf)
     nesting.py mix SECONDS        work_a, work_b, work_c in a 3:2:1 ratio of time
     nesting.py sorted SECONDS     sort_loop -> sorted() (native) -> sort_key (Python)
+    nesting.py grow SECONDS N     waits for a line on stdin, then makes N new
+                                  functions (their stubs fill new arenas), prints
+                                  "grown" and spins: grow -> fresh<N-1> -> leaf
 
 Prints "ready" once the work is running (threads started).
 """
@@ -99,6 +102,16 @@ def sort_loop(until):
     return n
 
 
+def grow(seconds, count):
+    sys.stdin.readline()
+    made = {}
+    for i in range(count):
+        exec(f"def fresh{i}(until):\n    return leaf(until)\n", globals(), made)
+        made[f"fresh{i}"](0)  # its first call makes its stub
+    print("grown", flush=True)
+    return made[f"fresh{count - 1}"](time.monotonic() + seconds)
+
+
 def main():
     mode, seconds = sys.argv[1], float(sys.argv[2])
     until = time.monotonic() + seconds
@@ -123,6 +136,8 @@ def main():
         mix(until)
     elif mode == "sorted":
         sort_loop(until)
+    elif mode == "grow":
+        grow(seconds, int(sys.argv[3]))
 
 
 if __name__ == "__main__":
