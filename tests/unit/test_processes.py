@@ -421,6 +421,25 @@ def test_open_event_source_falls_back_to_polling(
     source.close()
 
 
+def test_a_connector_bind_refused_for_every_port_id_falls_back_to_polling(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pyroute2 turns a refused bind (EPERM in a container) into KeyError
+    after trying every port id: the daemon polls /proc instead of dying."""
+    cn_proc = processes._pyroute2("netlink.connector.cn_proc")
+
+    def refused(self: object, *args: object, **kwargs: object) -> None:
+        raise KeyError("no free address available")
+
+    monkeypatch.setattr(cn_proc.ProcEventSocket, "bind", refused)
+    logger = logging.getLogger("test.refused")
+    with caplog.at_level(logging.INFO, logger="test.refused"):
+        source = open_event_source(logger)
+    assert isinstance(source, ProcPollingSource)
+    assert "refused for every netlink port id" in caplog.records[0].getMessage()
+    source.close()
+
+
 # --- the real proc connector --------------------------------------------------------------
 
 

@@ -248,6 +248,14 @@ class ProcConnectorSource:
             raise ConnectorUnavailable(
                 f"cannot bind to the proc connector group: {e.strerror or e}"
             ) from e
+        except KeyError as e:
+            # pyroute2 0.9 tries port ids one after another whatever bind()
+            # says (EPERM included) and reports only that none was taken.
+            raise ConnectorUnavailable(
+                f"cannot bind to the proc connector group (pyroute2: {e}): refused "
+                "for every netlink port id (no CAP_NET_ADMIN before Linux 6.6, or a "
+                "container's namespaces)"
+            ) from e
         try:
             self._sock = socket.socket(fileno=os.dup(self._nl.fileno()))
             self._sock.setblocking(False)
