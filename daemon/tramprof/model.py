@@ -65,6 +65,11 @@ class RawSample:
     trampoline_frames: tuple[tuple[int, int], ...]
     kernel_error: int  # 0, or -errno when the kernel part was lost
     count: int
+    # The kernel's identity of the user stack: its two independent 64-bit
+    # hashes (over return addresses and trampoline frames), by which it
+    # stored the stack once for every sample that has it. The same in every
+    # drain for the same stack of a process image; (0, 0) when unknown.
+    user_stack_id: tuple[int, int] = (0, 0)
 
 
 class MappedFile(NamedTuple):

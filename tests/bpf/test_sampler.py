@@ -79,6 +79,30 @@ def test_frames_carry_stack_addresses_in_call_order(targets, start_target):
         assert len(set(addresses)) == len(addresses)
 
 
+def test_a_user_stack_has_the_same_identity_in_every_drain(targets, start_target):
+    """The kernel's (hash, check) of a user stack names it across drains (the
+    daemon finds stacks named before by it): one identity per distinct stack,
+    the same in each drain, and none shared by two stacks."""
+    target = start_target(str(targets / "chain"), "20")
+    with Sampler(SamplerConfig(frequency=499)) as sampler:
+        sampler.set_targets([target.pid])
+        sampler.drain()
+        drains = []
+        for _ in range(3):
+            time.sleep(0.7)
+            drains.append({(tuple(ip for ip, _sp in s.user_frames), s.user_stack_id)
+                           for s in sampler.drain() if s.tgid == target.pid})
+    ids_by_stack: dict[tuple[int, ...], set[tuple[int, int]]] = {}
+    for drained in drains:
+        for ips, stack_id in drained:
+            ids_by_stack.setdefault(ips, set()).add(stack_id)
+    assert all(len(ids) == 1 for ids in ids_by_stack.values())
+    assert len({next(iter(ids)) for ids in ids_by_stack.values()}) == len(ids_by_stack)
+    assert (0, 0) not in {next(iter(ids)) for ids in ids_by_stack.values()}
+    # The spinning chain's hot stacks come back in every drain, same identity.
+    assert len(drains[0] & drains[1] & drains[2]) >= 1
+
+
 def test_full_maps_are_counted_as_losses(targets, start_target):
     """With tiny maps, what does not fit is counted, never silently dropped."""
     target = start_target(str(targets / "recurse"), "20", "200")

@@ -87,7 +87,8 @@ def test_counter_enum_matches_header():
 
 def test_a_user_stack_is_decoded_from_its_bytes_as_its_fields_say():
     """The drain decodes stored stacks from raw bytes, not through ctypes:
-    its offsets must be the structure's, and counts past the arrays are cut."""
+    its offsets must be the structure's (the check hash too: it names the
+    stack across drains), and counts past the arrays are cut."""
     stack = bpf_layout.UserStack(nr=3, flags=bpf_layout.USTACK_TRUNCATED, check=0xdead,
                                  nr_tramp=2)
     for i in range(3):
@@ -97,11 +98,11 @@ def test_a_user_stack_is_decoded_from_its_bytes_as_its_fields_say():
     assert decode_user_stack(memoryview(bytes(stack))) == (
         ((0x1000, 0x7000), (0x1001, 0x7001), (0x1002, 0x7002)),
         ((0x2000, 0x8000), (0x2001, 0x8001)),
-        bpf_layout.USTACK_TRUNCATED)
+        bpf_layout.USTACK_TRUNCATED, 0xdead)
 
     key = bpf_layout.UserStackKey(hash=0x1234_5678_9ABC_DEF0, buffer=1)
     assert decode_user_stack_key(bytes(key)) == (0x1234_5678_9ABC_DEF0, 1)
 
     stack.nr, stack.nr_tramp = 1000, 1000  # a count the arrays cannot hold
-    frames, tramp, _flags = decode_user_stack(memoryview(bytes(stack)))
+    frames, tramp, _flags, _check = decode_user_stack(memoryview(bytes(stack)))
     assert (len(frames), len(tramp)) == (bpf_layout.MAX_FRAMES, bpf_layout.MAX_TRAMP)

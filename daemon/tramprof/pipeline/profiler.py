@@ -23,9 +23,9 @@ from typing import Protocol
 
 from tramprof.config import Config
 from tramprof.inject.policy import AutoInjector
-from tramprof.model import RawSample, Stack
-from tramprof.pipeline.frames import UserNamer, named_frames
+from tramprof.model import Stack
 from tramprof.pipeline.heap import HeapPolicy
+from tramprof.pipeline.naming import StackNamer
 from tramprof.pipeline.stats import ProcessSamples, ProfilerStats
 from tramprof.procfs.events import open_event_source
 from tramprof.sampler.layout import Counter as BpfCounter
@@ -33,7 +33,6 @@ from tramprof.sampler.program import Sampler, SamplerConfig
 from tramprof.symbols.images import ProcessImage, ProcessRegistry
 from tramprof.symbols.kallsyms import KernelSymbols
 from tramprof.symbols.perfmap import gc_paused
-from tramprof.unwind.arenas import Arenas
 from tramprof.unwind.chain import ChainMode
 from tramprof.unwind.descriptor import DUTY_ALWAYS
 from tramprof.unwind.mode import FOLLOW_EVERY, FP, MapWriter, UnwindModes
@@ -164,10 +163,8 @@ class Profiler:
         self.injector = AutoInjector(config)  # inject_* settings; off by default
         # pid -> the maps generation its unwinding modes last looked at.
         self._considered: dict[int, int] = {}
-        self._sampled: dict[int, ProcessImage] = {}
-        # The last process image a drain's samples were named with (its key,
-        # process name, namer and stubs): samples come sorted by image.
-        self._naming: tuple[tuple[int, int, int], str, UserNamer, Arenas | None] | None = None
+        self.namer = StackNamer(self.registry, self.unwinders.arenas, self.kernel.resolve,
+                                self.stats.symbolization_failures)
         self._next_mode_refresh = float("-inf")  # monotonic seconds
         self._next_resync = time.monotonic() + RESYNC_SECONDS
 
@@ -304,7 +301,7 @@ class Profiler:
             stacks = []
             for sample in samples:
                 try:
-                    stack = self._symbolize(sample)
+                    stack = self.namer.name(sample)
                     self.unwinders.note_code(sample.tgid, stack.sources)
                     stacks.append(stack)
                 except Exception:
@@ -312,9 +309,7 @@ class Profiler:
                     self.stats.symbolization_failures["internal_error"] += sample.count
                     log.exception("cannot symbolize a sample of pid %d", sample.tgid)
             del samples
-            self._naming = None
-            sampled, self._sampled = self._sampled, {}
-            for pid, image in sampled.items():
+            for pid, image in self.namer.end_drain().items():
                 if not self.errors.backing_off(pid):
                     with self.errors.boundary(pid, "unwind_consider",
                                               partial(self._drop, pid)):
@@ -392,27 +387,6 @@ class Profiler:
         out.update({mode.name: bpf.get(mode.sample_counter, 0)
                     for mode in self.unwinders.native})
         return out
-
-    def _symbolize(self, sample: RawSample) -> Stack:
-        user: UserNamer | None = None
-        process = sample.comm
-        stubs = None
-        if sample.user_frames:
-            key = (sample.tgid, sample.start_boottime_ns, sample.exec_id)
-            if self._naming is not None and self._naming[0] == key:
-                _key, process, user, stubs = self._naming
-            else:
-                process, found = self.registry.image(sample.tgid, sample.start_boottime_ns,
-                                                     sample.exec_id, sample.comm)
-                stubs = self.unwinders.arenas(sample.tgid)
-                if found is not None:
-                    user = found.name_frames
-                    self._sampled[sample.tgid] = found
-                    self._naming = (key, process, found.name_frames, stubs)
-        frames, sources = named_frames(sample, user, self.kernel.resolve,
-                                       self.stats.symbolization_failures, stubs)
-        return Stack(pid=sample.tgid, process=process, comm=sample.comm, frames=frames,
-                     count=sample.count, sources=sources)
 
     def bpf_counters(self) -> dict[BpfCounter, int]:
         return self.sampler.counters()

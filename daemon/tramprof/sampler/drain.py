@@ -22,9 +22,10 @@ NO_KSTACK = -1
 # User stacks read per system call: ~6 KiB each, so a chunk is ~400 KiB.
 USTACK_CHUNK = 64
 
-# (native frames, trampoline frames, flags) of one stored user stack.
-_UserStack = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int]
-_NO_STACK: _UserStack = ((), (), layout.USTACK_FAULT)
+# (native frames, trampoline frames, flags, (hash, check)) of one stored user stack.
+_UserStack = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int,
+                   tuple[int, int]]
+_NO_STACK: _UserStack = ((), (), layout.USTACK_FAULT, (0, 0))
 
 
 def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
@@ -48,8 +49,9 @@ def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
         user: tuple[tuple[int, int], ...] = ()
         tramp: tuple[tuple[int, int], ...] = ()
         flags = layout.USTACK_NO_USER
+        user_id = _NO_STACK[3]
         if ustack_hash:
-            user, tramp, flags = user_stacks.get(ustack_hash, _NO_STACK)
+            user, tramp, flags, user_id = user_stacks.get(ustack_hash, _NO_STACK)
         kernel: tuple[int, ...] = ()
         kernel_error = 0
         if kstack_id >= 0:
@@ -64,7 +66,7 @@ def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
         samples.append(RawSample(
             tgid=tgid, start_boottime_ns=start, exec_id=exec_id, comm=comm,
             user_frames=user, user_flags=flags, kernel_ips=kernel, kernel_error=kernel_error,
-            trampoline_frames=tramp, count=count))
+            trampoline_frames=tramp, count=count, user_stack_id=user_id))
 
     counts.delete_raw([raw for raw, _key, _count in entries])
     # Every stored stack of this buffer, also one no count refers to (its
@@ -94,7 +96,7 @@ _COUNT_KEY = struct.Struct(f"<IiQQQ{layout.COMM_LEN}sII")
 _BUFFER = 6
 if _COUNT_KEY.size != ctypes.sizeof(layout.CountKey):
     raise ImportError("the count key's struct layout and layout.CountKey disagree")
-_USTACK_HEAD = struct.Struct("<II8xI")  # UserStack: nr, flags, (check), nr_tramp
+_USTACK_HEAD = struct.Struct("<IIQI")  # UserStack: nr, flags, check, nr_tramp
 
 
 def _read_user_stacks(table: Any, buffer: int) -> tuple[dict[int, _UserStack], list[bytes]]:
@@ -107,7 +109,8 @@ def _read_user_stacks(table: Any, buffer: int) -> tuple[dict[int, _UserStack], l
         if stack_buffer != buffer:
             continue
         keys.append(raw_key)
-        stacks[stack_hash] = decode_user_stack(raw)
+        user, tramp, flags, check = decode_user_stack(raw)
+        stacks[stack_hash] = (user, tramp, flags, (stack_hash, check))
     return stacks, keys
 
 
@@ -117,8 +120,10 @@ def decode_user_stack_key(raw: bytes) -> tuple[int, int]:
     return stack_hash, stack_buffer
 
 
-def decode_user_stack(raw: memoryview) -> _UserStack:
-    """One ``UserStack`` value's frames and flags, from its bytes."""
-    nr, flags, nr_tramp = _USTACK_HEAD.unpack_from(raw)
+def decode_user_stack(raw: memoryview) -> tuple[tuple[tuple[int, int], ...],
+                                                 tuple[tuple[int, int], ...], int, int]:
+    """One ``UserStack`` value's frames, trampoline frames, flags and check
+    hash, from its bytes."""
+    nr, flags, check, nr_tramp = _USTACK_HEAD.unpack_from(raw)
     return (_pairs(raw, _FRAMES_AT, min(nr, layout.MAX_FRAMES)),
-            _pairs(raw, _TRAMP_AT, min(nr_tramp, layout.MAX_TRAMP)), flags)
+            _pairs(raw, _TRAMP_AT, min(nr_tramp, layout.MAX_TRAMP)), flags, check)

@@ -127,30 +127,53 @@ class ProcessImage:
         lookups, only the rest one by one. The stack is named with the caches
         as they were when it began: a lookup that reads the JIT files or the
         maps again counts from the next stack."""
+        names, sources, _cached = self.name_frames_cached(addresses)
+        return names, sources
+
+    def name_frames_cached(self, addresses: Sequence[int | str]
+                           ) -> tuple[list[str], list[FrameSource | None], int | None]:
+        """``name_frames``, and whether the caches alone answered: then how
+        many frames the JIT caches answered (the same names come back for
+        these addresses while ``naming_state`` stays), else None (some frame
+        was looked up: asked again, it may be answered otherwise)."""
         symbolizer = self._validate_caches()
         # Markers are looked up too, and miss.
         names = list(map(cast("dict[int | str, str]", self.names).get, addresses))
         sources = list(map(cast("dict[int | str, FrameSource]", self.sources).get, addresses))
-        if None in names or None in sources:
-            jit_names, jit_sources = self.jit_names, self.jit_sources
-            jit_hits = 0
-            for at, addr in enumerate(addresses):
-                if names[at] is not None and sources[at] is not None:
-                    continue
-                if isinstance(addr, str):
-                    names[at] = addr
-                    continue
-                name, source = jit_names.get(addr), jit_sources.get(addr)
-                if name is not None and source is not None:
-                    jit_hits += 1
-                elif symbolizer is None:
-                    name, source = UNKNOWN, None
-                else:
-                    name, source = self._look_up(symbolizer, addr)
-                names[at], sources[at] = name, source
-            if jit_hits and self.jit is not None:
-                self.jit.count_cached_hit(jit_hits)
-        return cast(list[str], names), sources
+        if None not in names and None not in sources:
+            return cast(list[str], names), sources, 0
+        jit_names, jit_sources = self.jit_names, self.jit_sources
+        jit_hits, looked_up = 0, False
+        for at, addr in enumerate(addresses):
+            if names[at] is not None and sources[at] is not None:
+                continue
+            if isinstance(addr, str):
+                names[at] = addr
+                continue
+            name, source = jit_names.get(addr), jit_sources.get(addr)
+            if name is not None and source is not None:
+                jit_hits += 1
+            elif symbolizer is None:
+                name, source, looked_up = UNKNOWN, None, True
+            else:
+                name, source = self._look_up(symbolizer, addr)
+                looked_up = True
+            names[at], sources[at] = name, source
+        self.count_jit_hits(jit_hits)
+        return cast(list[str], names), sources, None if looked_up else jit_hits
+
+    def naming_state(self) -> tuple[int, int, int]:
+        """What the cached answers depend on: while it stays the same, the
+        caches give the same names and places for the same addresses (the
+        file generation and the JIT files' epoch with the maps generation)."""
+        self._validate_caches()
+        return (self._files_key, *self._jit_key)
+
+    def count_jit_hits(self, hits: int) -> None:
+        """``hits`` frames named from the JIT caches (counted as the lookups
+        they stand for, also when a whole named stack was reused)."""
+        if hits and self.jit is not None:
+            self.jit.count_cached_hit(hits)
 
     def resolve(self, addr: int) -> str:
         """The name of the code at ``addr`` (see ``lookup``)."""
