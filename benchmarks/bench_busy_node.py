@@ -34,7 +34,10 @@ Ctrl-C, and dies with this script anyway (``PR_SET_PDEATHSIG``).
 
 Run (root): ``.venv/bin/python benchmarks/bench_busy_node.py`` (about 12
 minutes; ``--tramprof`` measures another build, e.g. a checkout of an older
-revision, for before/after figures).
+revision). For before/after figures, ``--compare`` runs a second build side
+by side with the first, both measured in the same windows: on a shared
+machine, runs minutes apart differ by more than most changes (two copies of
+one build side by side agree within 0.05 points of a core).
 """
 
 from __future__ import annotations
@@ -114,7 +117,9 @@ class Workers:
 class LoggedDaemon(Daemon):
     """``common.Daemon`` with its log kept in a file (budget warnings matter here)."""
 
-    def __init__(self, log: IO[bytes], *args: str, tramprof: str = TRAMPROF) -> None:
+    def __init__(self, log: IO[bytes], *args: str, tramprof: str = TRAMPROF,
+                 label: str = "") -> None:
+        self.label = label
         self.port = free_port()
         self.proc = subprocess.Popen(
             [tramprof, "run", "--listen", f"127.0.0.1:{self.port}", *args],
@@ -290,6 +295,7 @@ def percentile(values: list[float], q: float) -> float:
 @dataclass
 class Result:
     frequency: int
+    daemon: str = ""  # which executable, when two are compared
     cpu_percent: float = 0.0
     main_cpu_percent: float = 0.0
     host_busy_cpus: float = 0.0
@@ -354,39 +360,60 @@ def settle(daemon: LoggedDaemon, args: argparse.Namespace) -> float:
     return time.monotonic() - began
 
 
-def measure(frequency: int, daemon: LoggedDaemon, args: argparse.Namespace) -> Result:
-    """One steady window at the running frequency, then scrapes and windows."""
-    result = Result(frequency)
-    before = daemon.metrics("tramprof_perf_events_total")
-    drains: dict[float, float] = {}
-    main0 = daemon.helper_threads_cpu(main=True)
-    rss0 = daemon.status("VmRSS")
-    cpu0, busy0, t0 = daemon.cpu_with_children(), host_busy(), time.monotonic()
+def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespace
+            ) -> list[Result]:
+    """One steady window at the running frequency for every daemon at once
+    (side by side: the same workload and machine state), then each one's
+    scrapes and windows."""
+    results = [Result(frequency, daemon.label) for daemon in daemons]
+    before = [daemon.metrics("tramprof_perf_events_total") for daemon in daemons]
+    drains: list[dict[float, float]] = [{} for _ in daemons]
+    main0 = [daemon.helper_threads_cpu(main=True) for daemon in daemons]
+    rss0 = [daemon.status("VmRSS") for daemon in daemons]
+    cpu0 = [daemon.cpu_with_children() for daemon in daemons]
+    busy0, t0 = host_busy(), time.monotonic()
     # Scraped as the shipped Prometheus configuration does (whole /metrics,
     # gzip, every --scrape-interval s); each scrape also tells the last
-    # drain's duration. Nothing else asks the daemon for anything meanwhile.
+    # drain's duration. Nothing else asks the daemons for anything meanwhile.
     next_scrape = t0
+    run_queue: list[int] = []
     while time.monotonic() - t0 < args.steady:
         time.sleep(max(0.0, next_scrape - time.monotonic()))
         next_scrape += args.scrape_interval
-        metrics = daemon.metrics(gzip_body=True)
-        drains[metrics[("tramprof_drains_total", ())]] = \
-            metrics[("tramprof_drain_duration_seconds", ())]
-        result.run_queue.append(runnable())
-    cpu1, busy1, t1 = daemon.cpu_with_children(), host_busy(), time.monotonic()
-    result.cpu_percent = (cpu1 - cpu0) / (t1 - t0) * 100
-    result.main_cpu_percent = (daemon.helper_threads_cpu(main=True) - main0) / (t1 - t0) * 100
-    result.host_busy_cpus = ((busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
-                             * (os.cpu_count() or 1))
+        for daemon, drained in zip(daemons, drains, strict=True):
+            metrics = daemon.metrics(gzip_body=True)
+            drained[metrics[("tramprof_drains_total", ())]] = \
+                metrics[("tramprof_drain_duration_seconds", ())]
+        run_queue.append(runnable())
+    cpu1 = [daemon.cpu_with_children() for daemon in daemons]
+    main1 = [daemon.helper_threads_cpu(main=True) for daemon in daemons]
+    busy1, t1 = host_busy(), time.monotonic()
+    for at, daemon in enumerate(daemons):
+        results[at] = _finish(results[at], daemon, args, t1 - t0, cpu1[at] - cpu0[at],
+                              main1[at] - main0[at], rss0[at], drains[at], before[at])
+        results[at].run_queue = run_queue
+        results[at].host_busy_cpus = ((busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
+                                      * (os.cpu_count() or 1))
+    return results
+
+
+def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seconds: float,
+            cpu: float, main_cpu: float, rss0: float, drains: dict[float, float],
+            before: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> Result:
+    """The rest of one daemon's figures, after the window: memory, counters,
+    scrape latency, distinct stacks of single windows."""
+    frequency = result.frequency
+    result.cpu_percent = cpu / seconds * 100
+    result.main_cpu_percent = main_cpu / seconds * 100
     first = min(drains)  # may have drained before the window began
     result.drains_ms = [v * 1e3 for k, v in drains.items() if k > first]
     result.rss_peak, result.rss_steady = daemon.status("VmHWM"), daemon.status("VmRSS")
-    result.rss_growth = (result.rss_steady - rss0) / (t1 - t0) * 60
+    result.rss_growth = (result.rss_steady - rss0) / seconds * 60
     after = daemon.metrics()
     events = {dict(k[1]).get("outcome"): v for k, v in after.items()
               if k[0] == "tramprof_perf_events_total"}
     old = {dict(k[1]).get("outcome"): v for k, v in before.items()}
-    result.recorded_per_s = (events["recorded"] - old["recorded"]) / (t1 - t0)
+    result.recorded_per_s = (events["recorded"] - old["recorded"]) / seconds
     result.lost = events["lost"] - old["lost"]
     result.series = sum(v for k, v in after.items() if k[0] == "tramprof_series")
     result.processes = after[("tramprof_processes", ())]
@@ -409,7 +436,7 @@ def measure(frequency: int, daemon: LoggedDaemon, args: argparse.Namespace) -> R
         result.unique_stacks.append(len(folded))
         result.window_samples.append(sum(int(line.rsplit(" ", 1)[1]) for line in folded))
     if args.py_spy:
-        out = Path(args.py_spy) / f"daemon-{frequency}hz.folded"
+        out = Path(args.py_spy) / f"daemon{daemon.label and '-'}{daemon.label}-{frequency}hz.folded"
         out.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([str(Path(TRAMPROF).parent / "py-spy"), "record", "-p",
                         str(daemon.proc.pid), "-d", str(int(args.steady)), "-r", "1000",
@@ -421,43 +448,58 @@ def measure(frequency: int, daemon: LoggedDaemon, args: argparse.Namespace) -> R
 
 def session(frequencies: list[int], work: Path, args: argparse.Namespace, log: IO[bytes],
             workers: Workers) -> list[Result]:
-    """One daemon for every frequency: started at the first, switched by a
-    configuration reload (SIGHUP), so start-up work is paid and excluded once."""
+    """One daemon for every frequency (two side by side with ``--compare``):
+    started at the first, switched by a configuration reload (SIGHUP), so
+    start-up work is paid and excluded once."""
     config = work / "tramprof.toml"
     config.write_text(f"frequency = {frequencies[0]}\n")
     config.chmod(0o644)  # re-read after the daemon left root
+    executables = [("", args.tramprof)]
+    if args.compare:
+        executables = [("A", args.tramprof), ("B", args.compare)]
+    daemons: list[LoggedDaemon] = []
     # The BPF compile (seconds of CPU) would crawl behind 200 busy processes.
     workers.pause(True)
     try:
-        daemon = LoggedDaemon(log, "--config", str(config), tramprof=args.tramprof)
+        for label, executable in executables:
+            daemons.append(LoggedDaemon(log, "--config", str(config), tramprof=executable,
+                                        label=label))
+    except BaseException:
+        for daemon in daemons:
+            daemon.stop_quietly()
+        raise
     finally:
         workers.pause(False)
     results: list[Result] = []
     try:
-        start_cpu = daemon.cpu_with_children()
-        waited = settle(daemon, args)
-        built = daemon.metrics("tramprof_unwind_table_build_seconds_total").get(
-            ("tramprof_unwind_table_build_seconds_total", ()), 0.0)
-        print(f"  start-up: {start_cpu:.1f} CPU s until serving; warm-up {waited:.0f} s, "
-              f"{daemon.cpu_with_children() - start_cpu:.1f} CPU s (unwind table builds "
-              f"{built:.1f})", flush=True)
+        start_cpu = [daemon.cpu_with_children() for daemon in daemons]
+        for daemon, began_cpu in zip(daemons, start_cpu, strict=True):
+            waited = settle(daemon, args)
+            built = daemon.metrics("tramprof_unwind_table_build_seconds_total").get(
+                ("tramprof_unwind_table_build_seconds_total", ()), 0.0)
+            print(f"  {daemon.label or 'daemon'} start-up: {began_cpu:.1f} CPU s until "
+                  f"serving; warm-up {waited:.0f} s, {daemon.cpu_with_children() - began_cpu:.1f}"
+                  f" CPU s (unwind table builds {built:.1f})", flush=True)
         for index, frequency in enumerate(frequencies):
             if index:
                 config.write_text(f"frequency = {frequency}\n")
-                daemon.proc.send_signal(signal.SIGHUP)
+                for daemon in daemons:
+                    daemon.proc.send_signal(signal.SIGHUP)
                 time.sleep(args.switch)
                 # Windows of the new frequency replace the old ones.
-                store, deadline = StoreFilling(), time.monotonic() + args.max_warmup
-                while not store.full and time.monotonic() < deadline:
-                    store.look(daemon)
-                    time.sleep(args.poll)
-            results.append(measure(frequency, daemon, args))
+                for daemon in daemons:
+                    store, deadline = StoreFilling(), time.monotonic() + args.max_warmup
+                    while not store.full and time.monotonic() < deadline:
+                        store.look(daemon)
+                        time.sleep(args.poll)
+            results.extend(measure(frequency, daemons, args))
             print(f"  {frequency} Hz done", flush=True)
             dead = workers.dead()
             if dead:
                 raise RuntimeError(f"workers died during the run: {', '.join(dead[:5])}")
     finally:
-        daemon.stop_quietly()
+        for daemon in daemons:
+            daemon.stop_quietly()
     return results
 
 
@@ -465,13 +507,14 @@ def report(results: list[Result]) -> None:
     def row(name: str, values: list[str], target: str = "") -> None:
         print(f"  {name:<34}" + "".join(f"{v:>18}" for v in values) + f"  {target}")
 
-    print(f"  {'':<34}" + "".join(f"{str(r.frequency) + ' Hz':>18}" for r in results))
+    print(f"  {'':<34}" + "".join(f"{str(r.frequency) + ' Hz ' + r.daemon:>18}"
+                                   for r in results))
     t = TARGETS[99]
 
     def mark(ok: bool) -> str:
         return "met" if ok else "MISSED"
 
-    r99 = next((r for r in results if r.frequency == 99), None)
+    r99 = next((r for r in results if r.frequency == 99), None)  # the first daemon's
     row("daemon CPU, % of one core", [f"{r.cpu_percent:.2f}" for r in results],
         f"99 Hz target <= {t['cpu']:.0f}% ({mark(r99.cpu_percent <= t['cpu'])})"
         if r99 else "")
@@ -500,7 +543,8 @@ def report(results: list[Result]) -> None:
     row("stack+function series", [f"{r.series:.0f}" for r in results])
     row("processes held", [f"{r.processes:.0f}" for r in results])
     row("host CPUs busy (all processes)", [f"{r.host_busy_cpus:.2f}" for r in results])
-    row("runnable tasks, median / max", [f"{median(r.run_queue):.0f} / {max(r.run_queue)}"
+    row("runnable tasks, median / max", [f"{median([float(n) for n in r.run_queue]):.0f} / "
+                                         f"{max(r.run_queue)}"
                                          for r in results])
 
 
@@ -549,6 +593,9 @@ def main() -> None:
                         help="also record the daemon with py-spy for --steady seconds")
     parser.add_argument("--tramprof", default=TRAMPROF,
                         help="the tramprof executable to measure (default: this checkout's)")
+    parser.add_argument("--compare", metavar="TRAMPROF",
+                        help="a second tramprof executable run side by side with the first "
+                             "(A: --tramprof, B: this), both measured in the same windows")
     parser.add_argument("--keep-log", metavar="FILE", help="keep the daemons' logs here")
     args = parser.parse_args()
     if os.geteuid() != 0:
