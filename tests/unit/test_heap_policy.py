@@ -23,7 +23,7 @@ def cycle() -> weakref.ref[Node]:
 
 def test_frozen_cycles_wait_for_the_full_collection():
     now = [0.0]
-    policy = HeapPolicy(clock=lambda: now[0], full_every=300)
+    policy = HeapPolicy(clock=lambda: now[0], full_every=300, little_garbage=0)
     try:
         young = cycle()  # garbage already: the collector still sees it
         gc.collect()
@@ -51,6 +51,35 @@ def test_frozen_cycles_wait_for_the_full_collection():
     finally:
         policy.close()
     assert gc.get_freeze_count() == 0
+
+
+def test_full_collections_wait_longer_while_they_find_little_garbage():
+    """A steady heap is walked whole less and less often, down to once an
+    hour; garbage found again brings the wait back to the start."""
+    now = [0.0]
+    policy = HeapPolicy(clock=lambda: now[0], full_every=300, max_full_every=1000,
+                        little_garbage=50)
+    try:
+        waits = []
+        for _ in range(4):
+            now[0] += policy.full_wait
+            gc.collect()  # what an ordinary collection finds is not counted
+            policy.after_drain()
+            waits.append(policy.full_wait)
+        assert waits == [600, 1000, 1000, 1000] and policy.full_collections == 4
+
+        for _ in range(100):  # 100 self-cycles, garbage at once
+            a = Node()
+            a.other = a
+        del a
+        now[0] += 999  # not due yet: the garbage is frozen with the rest
+        policy.after_drain()
+        assert policy.full_collections == 4
+        now[0] += 1
+        policy.after_drain()  # finds the 100 cycles
+        assert policy.full_collections == 5 and policy.full_wait == 300
+    finally:
+        policy.close()
 
 
 def rss_kib() -> int:

@@ -19,7 +19,11 @@ objects of it per ELF file it opens) lives a few minutes longer, never for
 good. Measured there: collections took ~3.4 s of every minute before;
 after, young collections ~0.15 s a minute and one full collection of
 0.4-0.9 s (it holds the interpreter lock: /metrics waits) every five
-minutes.
+minutes. Once the node is steady a full collection finds next to nothing
+(new ELF files are rare): while each finds fewer than ``LITTLE_GARBAGE``
+objects, the wait for the next doubles, up to ``MAX_FULL_COLLECTION_SECONDS``,
+and a collection that finds more brings it back. Garbage held meanwhile
+stays under about twice that bound (a few MiB).
 
 Memory freed by a drain goes back to the C allocator, which keeps it: glibc
 returns only what lies at the top of its heap. After each drain its free
@@ -35,8 +39,14 @@ import gc
 import time
 from collections.abc import Callable
 
-#: Seconds between full collections of the whole heap (frozen part included).
+#: Seconds between full collections of the whole heap (frozen part included)
+#: while they find garbage.
 FULL_COLLECTION_SECONDS = 300.0
+#: The longest wait between two full collections.
+MAX_FULL_COLLECTION_SECONDS = 3600.0
+#: Unreachable objects a full collection may find and still double the wait
+#: for the next (~100 bytes each).
+LITTLE_GARBAGE = 10_000
 
 
 def malloc_trim() -> Callable[[], object] | None:
@@ -57,9 +67,15 @@ class HeapPolicy:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  full_every: float = FULL_COLLECTION_SECONDS,
-                 trim: Callable[[], object] | None = None) -> None:
+                 trim: Callable[[], object] | None = None,
+                 max_full_every: float = MAX_FULL_COLLECTION_SECONDS,
+                 little_garbage: int = LITTLE_GARBAGE) -> None:
         self._clock = clock
         self._full_every = full_every
+        self._max_full_every = max(full_every, max_full_every)
+        self._little_garbage = little_garbage
+        #: Seconds from the last full collection to the next.
+        self.full_wait = full_every
         self._next_full = clock() + full_every
         self._trim = trim if trim is not None else malloc_trim()
         self.full_collections = 0
@@ -70,10 +86,12 @@ class HeapPolicy:
         if now >= self._next_full:
             began = time.perf_counter()
             gc.unfreeze()
-            gc.collect()
+            found = gc.collect()
             self.full_collection_seconds += time.perf_counter() - began
             self.full_collections += 1
-            self._next_full = now + self._full_every
+            self.full_wait = (min(self.full_wait * 2, self._max_full_every)
+                              if found < self._little_garbage else self._full_every)
+            self._next_full = now + self.full_wait
         gc.freeze()
         if self._trim is not None:
             self._trim()
