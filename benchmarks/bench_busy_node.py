@@ -6,7 +6,8 @@ duty-cycled so that together they keep about ``--load`` CPUs busy:
 
 * Python applications under the trampoline runtime (``python3 -m
   tramprof_trampolines app.py``): 300 functions each, random call paths
-  6-40 calls deep;
+  6-40 calls deep (new ones all the time, or ``--paths`` fixed ones per
+  process: the same stacks interval after interval, as a service's);
 * native applications of 300 functions, half built with frame pointers and
   half without (unwind tables);
 * ``node --perf-basic-prof`` applications, when ``node`` is installed;
@@ -244,7 +245,7 @@ def build(work: Path, args: argparse.Namespace) -> tuple[dict[str, list[str]],
 
 def start_workers(workers: Workers, apps: dict[str, list[str]], spawner: list[str],
                   counts: dict[str, int], load: float, spawn_rate: float,
-                  py_env: dict[str, str]) -> None:
+                  py_env: dict[str, str], paths: int = 0) -> None:
     short_load = spawn_rate * SHORT_BUSY_US / 1e6
     per_process = max(0.0, load - short_load) / sum(counts.values())
     busy = per_process * PERIOD_S
@@ -257,15 +258,16 @@ def start_workers(workers: Workers, apps: dict[str, list[str]], spawner: list[st
         app = apps[kind][i % len(apps[kind])]
         if kind == "python":
             workers.start(kind, ["/usr/bin/python3", "-m", "tramprof_trampolines", app,
-                                 f"{busy:.6f}", str(PERIOD_S), seed], py_env)
+                                 f"{busy:.6f}", str(PERIOD_S), seed, str(paths)], py_env)
         elif kind == "native":
-            workers.start(kind, [app, f"{busy * 1e6:.0f}", f"{PERIOD_S * 1e6:.0f}", seed])
+            workers.start(kind, [app, f"{busy * 1e6:.0f}", f"{PERIOD_S * 1e6:.0f}", seed,
+                                 str(paths)])
         else:
             assert node is not None
             # --perf-basic-prof also turns on V8's log: not into a file.
             workers.start(kind, [node, "--perf-basic-prof", "--no-logfile-per-isolate",
                                  "--logfile=/dev/null", app, f"{busy * 1e3:.3f}",
-                                 f"{PERIOD_S * 1e3:.0f}", seed])
+                                 f"{PERIOD_S * 1e3:.0f}", seed, str(paths)])
         time.sleep(0.01)
     workers.start("spawner", spawner)
 
@@ -571,6 +573,9 @@ def main() -> None:
                         help="node processes (native ones instead when node is missing)")
     parser.add_argument("--spawn-rate", type=float, default=20.0,
                         help="short-lived processes started per second")
+    parser.add_argument("--paths", type=int, default=0,
+                        help="call paths per process (a service's hot paths, the same in "
+                             "every interval); 0: a new random path at every call")
     parser.add_argument("--load", type=float, default=1.0,
                         help="CPUs the workers keep busy together")
     parser.add_argument("--warmup", type=float, default=30.0,
@@ -613,9 +618,11 @@ def main() -> None:
             apps, spawner = build(work, args)
             py_env = install_trampolines()
             py_env.pop("TRAMPROF_TRAMPOLINES")  # -m tramprof_trampolines activates it
-            start_workers(workers, apps, spawner, counts, args.load, args.spawn_rate, py_env)
+            start_workers(workers, apps, spawner, counts, args.load, args.spawn_rate, py_env,
+                          args.paths)
             print(f"workers: {counts} + {args.spawn_rate:g} short-lived/s, "
-                  f"{FUNCTIONS} functions per application, duty cycle for {args.load:g} "
+                  f"{FUNCTIONS} functions per application, "
+                  f"{args.paths or 'random'} call paths per process, duty cycle for {args.load:g} "
                   f"CPUs; warm-up {args.warmup:g} s, steady window {args.steady:g} s",
                   flush=True)
             time.sleep(5)

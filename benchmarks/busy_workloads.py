@@ -9,11 +9,13 @@ every level keeps its frame. A process of the application repeats: spin
 through random paths for ``busy`` seconds, sleep until the period is over
 (the period jittered, so processes do not wake in lock-step). Wall time,
 not CPU time, bounds a burst: on a saturated machine the workers back off
-instead of piling up.
+instead of piling up. With PATHS > 0 each call takes one of PATHS call
+paths (a service's few hot paths, the same in every interval) instead of a
+new random one.
 
-    python3 app.py BUSY_S PERIOD_S SEED
-    app BUSY_US PERIOD_US SEED           (native; PERIOD_US 0: one burst, exit)
-    node app.js BUSY_MS PERIOD_MS SEED
+    python3 app.py BUSY_S PERIOD_S SEED [PATHS]
+    app BUSY_US PERIOD_US SEED [PATHS]           (native; PERIOD_US 0: one burst, exit)
+    node app.js BUSY_MS PERIOD_MS SEED [PATHS]
 """
 
 from __future__ import annotations
@@ -56,11 +58,15 @@ def python_app(path: Path, name: str, functions: int, seed: int) -> None:
     lines += [f"ENTRIES = [{entries}]", "",
               "def main():",
               "    busy, period, seed = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])",
+              "    paths = int(sys.argv[4]) if len(sys.argv) > 4 else 0",
               f"    ctypes.CDLL(None).prctl(15, b{name!r}, 0, 0, 0)  # PR_SET_NAME",
               "    random.seed(seed)",
+              "    picker = random.Random(seed)",
               "    while True:",
               "        began = time.monotonic()",
               "        while time.monotonic() - began < busy:",
+              "            if paths:",
+              "                random.seed(picker.randrange(paths))",
               f"            random.choice(ENTRIES)(random.randint({MIN_DEPTH}, {MAX_DEPTH}))",
               "        time.sleep(max(0.0, began + period * random.uniform(0.7, 1.3)",
               "                       - time.monotonic()))", "",
@@ -104,11 +110,18 @@ def native_app(path: Path, functions: int, seed: int) -> None:
             "    double busy = (argc > 1 ? atof(argv[1]) : 1000) / 1e6;",
             "    double period = (argc > 2 ? atof(argv[2]) : 0) / 1e6;",
             "    state ^= argc > 3 ? strtoul(argv[3], NULL, 10) * 2654435761UL : 0;",
+            "    unsigned long paths = argc > 4 ? strtoul(argv[4], NULL, 10) : 0;",
+            "    unsigned long pick = state;",
             "    for (;;) {",
             "        double began = now();",
-            "        while (now() - began < busy)",
+            "        while (now() - began < busy) {",
+            "            if (paths) {",
+            "                pick = pick * 6364136223846793005UL + 1442695040888963407UL;",
+            "                state = ((pick >> 33) % paths + 1) * 2654435761UL;",
+            "            }",
             f"            sink += entries[next_random() % ENTRIES]"
             f"({MIN_DEPTH} + next_random() % {MAX_DEPTH - MIN_DEPTH + 1});",
+            "        }",
             "        if (period <= 0) return 0;",
             "        double wake = began + period * (0.7 + (next_random() % 1000) / 1666.0);",
             "        double left = wake - now();",
@@ -142,15 +155,21 @@ def node_app(path: Path, name: str, functions: int, seed: int) -> None:
                 f"    default: return {name}_f{c}(depth - 1) + 1;", "  }", "}"]
     entries = ", ".join(f"{name}_f{i}" for i in range(0, functions, max(1, functions // 16)))
     out += [f"const entries = [{entries}];",
-            "const [busy, period, seed] = process.argv.slice(2).map(Number);",
+            "const [busy, period, seed, paths] = process.argv.slice(2).map(Number);",
             f"process.title = {name!r};",
             "state = seed >>> 0 || 1;",
+            "let pick = state;",
             "let sink = 0;",
             "function burst() {",
             "  const began = Date.now();",
-            "  while (Date.now() - began < busy)",
+            "  while (Date.now() - began < busy) {",
+            "    if (paths) {",
+            "      pick = (Math.imul(pick, 1103515245) + 12345) >>> 0;",
+            "      state = ((pick >>> 8) % paths + 1) >>> 0;",
+            "    }",
             f"    sink += entries[rnd() % entries.length]"
             f"({MIN_DEPTH} + rnd() % {MAX_DEPTH - MIN_DEPTH + 1});",
+            "  }",
             "  const wait = began + period * (0.7 + (rnd() % 1000) / 1666) - Date.now();",
             "  setTimeout(burst, Math.max(0, wait));",
             "}",
