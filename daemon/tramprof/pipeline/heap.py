@@ -36,8 +36,11 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import logging
 import time
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 #: Seconds between full collections of the whole heap (frozen part included)
 #: while they find garbage.
@@ -92,6 +95,8 @@ class HeapPolicy:
             self.full_wait = (min(self.full_wait * 2, self._max_full_every)
                               if found < self._little_garbage else self._full_every)
             self._next_full = now + self.full_wait
+            log.debug("full collection: %d unreachable objects in %.0f ms; next in %.0f s",
+                      found, (time.perf_counter() - began) * 1e3, self.full_wait)
         gc.freeze()
         if self._trim is not None:
             self._trim()
