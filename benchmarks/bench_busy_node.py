@@ -390,9 +390,14 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     cpu1 = [daemon.cpu_with_children() for daemon in daemons]
     main1 = [daemon.helper_threads_cpu(main=True) for daemon in daemons]
     busy1, t1 = host_busy(), time.monotonic()
+    # Everything of the window is read before any daemon's scrapes and windows.
+    rss = [(daemon.status("VmHWM"), daemon.status("VmRSS")) for daemon in daemons]
+    after = [daemon.metrics() for daemon in daemons]
     for at, daemon in enumerate(daemons):
+        results[at].rss_peak, results[at].rss_steady = rss[at]
         results[at] = _finish(results[at], daemon, args, t1 - t0, cpu1[at] - cpu0[at],
-                              main1[at] - main0[at], rss0[at], drains[at], before[at])
+                              main1[at] - main0[at], rss0[at], drains[at], before[at],
+                              after[at])
         results[at].run_queue = run_queue
         results[at].host_busy_cpus = ((busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
                                       * (os.cpu_count() or 1))
@@ -401,7 +406,8 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
 
 def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seconds: float,
             cpu: float, main_cpu: float, rss0: float, drains: dict[float, float],
-            before: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> Result:
+            before: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+            after: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> Result:
     """The rest of one daemon's figures, after the window: memory, counters,
     scrape latency, distinct stacks of single windows."""
     frequency = result.frequency
@@ -409,9 +415,7 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
     result.main_cpu_percent = main_cpu / seconds * 100
     first = min(drains)  # may have drained before the window began
     result.drains_ms = [v * 1e3 for k, v in drains.items() if k > first]
-    result.rss_peak, result.rss_steady = daemon.status("VmHWM"), daemon.status("VmRSS")
     result.rss_growth = (result.rss_steady - rss0) / seconds * 60
-    after = daemon.metrics()
     events = {dict(k[1]).get("outcome"): v for k, v in after.items()
               if k[0] == "tramprof_perf_events_total"}
     old = {dict(k[1]).get("outcome"): v for k, v in before.items()}
