@@ -117,6 +117,10 @@ class ProfilerCollector(Collector):
         yield _single(fam.SYMBOL_EVICTIONS, stats.symbol_evictions)
         yield _single(fam.ADDRESS_CACHE, stats.cached_addresses)
         yield _single(fam.ADDRESS_CACHE_EVICTIONS, stats.address_cache_evictions)
+        named = _family(fam.STACKS_NAMED)
+        for how, count in (("reused", stats.stacks_reused), ("named", stats.stacks_named)):
+            named.add_metric([how], count)
+        yield named
         yield from _table_families(stats, bpf)
         yield from _duty_families(stats)
         process_errors = _family(fam.PROCESS_ERRORS)

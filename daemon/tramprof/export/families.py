@@ -147,6 +147,11 @@ ADDRESS_CACHE_EVICTIONS = Family(
     "tramprof_address_cache_evictions", "counter", (),
     "Processes whose address caches were emptied to keep all within their bound; their "
     "addresses are looked up again (~5 us each) as they are sampled.")
+STACKS_NAMED = Family(
+    "tramprof_stacks_named", "counter", ("how",),
+    "Distinct stacks of the drains by how they were named: reused (the same raw stack of "
+    "the same process, named in one of the last two drains, found again whole) or named "
+    "(frame by frame).")
 SYMBOL_EVICTIONS = Family(
     "tramprof_symbol_evictions", "counter", (),
     "Perf map / jitdump indexes and debug file tables dropped to stay within "
@@ -261,7 +266,7 @@ ALL: tuple[Family, ...] = (
     UNWIND_REFUSALS, UNWIND_TABLE_BYTES, UNWIND_TABLE_OBJECTS, UNWIND_TABLE_ROWS,
     UNWIND_TABLE_EVICTIONS, UNWIND_TABLE_BUILDS, UNWIND_TABLE_BUILD_SECONDS, UNWIND_TABLE_STOPS,
     PYTHON_DUTY_CYCLE, PYTHON_OVERHEAD, PROCESS_ERRORS, INJECTIONS, SYMBOL_MEMORY,
-    SYMBOL_EVICTIONS, ADDRESS_CACHE, ADDRESS_CACHE_EVICTIONS, PROFILE_STORE_BYTES,
+    SYMBOL_EVICTIONS, ADDRESS_CACHE, ADDRESS_CACHE_EVICTIONS, STACKS_NAMED, PROFILE_STORE_BYTES,
     PROFILE_STORE_SECONDS, STACK_SAMPLES, FUNCTION_SAMPLES, DROPPED_SERIES, SERIES, BUILD_INFO,
 )
 

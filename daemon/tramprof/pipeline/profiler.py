@@ -351,6 +351,8 @@ class Profiler:
         self.stats.symbol_evictions = self.registry.jit_evictions
         self.stats.cached_addresses = self.registry.bound_address_caches()
         self.stats.address_cache_evictions = self.registry.address_cache_evictions
+        self.stats.stacks_reused = self.namer.cache.reused
+        self.stats.stacks_named = self.namer.cache.named
         jit = self.registry.jit_totals()
         self.stats.jit_counters, self.stats.jit_entries, self.stats.jit_files = \
             jit.counters, jit.entries, jit.files

@@ -83,6 +83,10 @@ class ProfilerStats:
     # and how many processes' caches were emptied to stay within the bound.
     cached_addresses: int = 0
     address_cache_evictions: int = 0
+    # Distinct drained stacks found again whole (pipeline.stackcache), and
+    # named frame by frame.
+    stacks_reused: int = 0
+    stacks_named: int = 0
     # Failures inside the per-process error boundary, by stage.
     process_errors: Counter[str] = field(default_factory=Counter)
     # Automatic injections (inject_* settings) by result.
