@@ -311,6 +311,7 @@ class Result:
     scrape_ms: list[float] = field(default_factory=list)
     scrape_bytes: int = 0
     recorded_per_s: float = 0.0
+    stacks_reused: float | None = None  # share of the drained stacks found again whole
     lost: float = 0.0
     series: float = 0.0
     processes: float = 0.0
@@ -368,7 +369,8 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     (side by side: the same workload and machine state), then each one's
     scrapes and windows."""
     results = [Result(frequency, daemon.label) for daemon in daemons]
-    before = [daemon.metrics("tramprof_perf_events_total") for daemon in daemons]
+    before = [daemon.metrics("tramprof_perf_events_total", "tramprof_stacks_named_total")
+              for daemon in daemons]
     drains: list[dict[float, float]] = [{} for _ in daemons]
     main0 = [daemon.helper_threads_cpu(main=True) for daemon in daemons]
     rss0 = [daemon.status("VmRSS") for daemon in daemons]
@@ -421,6 +423,10 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
     old = {dict(k[1]).get("outcome"): v for k, v in before.items()}
     result.recorded_per_s = (events["recorded"] - old["recorded"]) / seconds
     result.lost = events["lost"] - old["lost"]
+    named = {dict(k[1]).get("how"): v - before.get(k, 0.0) for k, v in after.items()
+             if k[0] == "tramprof_stacks_named_total"}
+    if named:  # (older builds do not tell)
+        result.stacks_reused = named.get("reused", 0.0) / max(1.0, sum(named.values()))
     result.series = sum(v for k, v in after.items() if k[0] == "tramprof_series")
     result.processes = after[("tramprof_processes", ())]
     for _ in range(args.scrapes):
@@ -536,6 +542,8 @@ def report(results: list[Result]) -> None:
         [" ".join(str(n) for n in r.unique_stacks) for r in results])
     row("samples / window", [" ".join(str(n) for n in r.window_samples) for r in results])
     row("samples recorded / s", [f"{r.recorded_per_s:.0f}" for r in results])
+    row("stacks found again (not named)", ["n/a" if r.stacks_reused is None
+                                           else f"{r.stacks_reused:.1%}" for r in results])
     row("samples lost in window", [f"{r.lost:.0f}" for r in results])
     row("RSS steady MiB", [f"{r.rss_steady:.1f}" for r in results],
         f"99 Hz target <= {t['rss_mib']:.0f} MiB ({mark(r99.rss_steady <= t['rss_mib'])})"
