@@ -287,3 +287,32 @@ def test_no_descriptor_leaks(fake_root: Path, tmp_path: Path) -> None:
         open_untrusted("nope/perf-7.map", None, CAP, root=str(fake_root))
         open_untrusted(str(tmp_path), None, CAP)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_mapped_object_link_to_something_not_regular_is_never_opened(tmp_path: Path) -> None:
+    """A link followed to the mapped object (``/proc/PID/map_files/...``) is
+    checked by ``stat`` through it before any open: opening a device can
+    have side effects. Seen here with a FIFO, whose open for reading would
+    release a writer waiting in its own open."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "map_files-link"
+    link.symlink_to(fifo)
+    writer_opened = threading.Event()
+
+    def writer() -> None:
+        fd = os.open(fifo, os.O_WRONLY)  # blocks until a reader opens it
+        writer_opened.set()
+        os.close(fd)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    time.sleep(0.2)  # the writer waits in its open by now
+    try:
+        result = safeopen.open_mapped_object(str(link))
+        assert refused(result) == "not_regular"  # type: ignore[arg-type]
+        assert not writer_opened.wait(0.3), "the FIFO was opened"
+    finally:
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # release the writer
+        thread.join(2)
+        os.close(fd)

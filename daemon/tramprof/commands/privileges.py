@@ -34,11 +34,12 @@ CAP_DAC_READ_SEARCH
     daemon only reads, so the read/search override is enough;
     CAP_DAC_OVERRIDE (write anywhere) is not kept.
 CAP_CHECKPOINT_RESTORE
-    Following a /proc/PID/map_files/START-END link (how deleted binaries,
-    memfd JIT code and files outside our mount namespace are opened) needs
+    Following a /proc/PID/map_files/START-END link (how every mapped object
+    is opened first; the only way to deleted binaries and memfd JIT code) needs
     ``checkpoint_restore_ns_capable(&init_user_ns)``: CAP_CHECKPOINT_RESTORE
     (Linux >= 5.9) or CAP_SYS_ADMIN. The narrow one is enough; CAP_SYS_ADMIN
-    is never kept. Without either, those mappings just stay unnamed.
+    is never kept. Without either, objects are opened below /proc/PID/root
+    (slower), and deleted binaries and memfds stay unnamed.
 
 ``drop_capabilities(keep, run_as)`` clears the ambient set, removes every
 other capability from the bounding set (needs CAP_SETPCAP, which it then

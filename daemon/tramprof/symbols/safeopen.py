@@ -264,8 +264,9 @@ def open_mapped_object(path: str, *, root: str | None = None
     and so is the process's to choose: it is resolved below ``root`` without
     following any symlink, as :func:`open_untrusted` does. Without ``root``,
     ``path`` is a kernel magic link (``/proc/PID/map_files/START-END``), which
-    is followed: it always names the object actually mapped. Either way only
-    a regular file is returned, opened without blocking. Owner and link count
+    is followed: it always names the object actually mapped (a ``stat``
+    through it first: a mapped device is never opened). Either way only a
+    regular file is returned, opened without blocking. Owner and link count
     are not checked: libraries are owned by anyone and may be hard-linked.
     """
     if root is not None:
@@ -274,6 +275,12 @@ def open_mapped_object(path: str, *, root: str | None = None
             return opened
         fd, opened._fd = opened._fd, -1
     else:
+        try:
+            pre = os.stat(path)
+        except OSError as err:
+            return _refusal_for(err, "stat")
+        if not stat.S_ISREG(pre.st_mode):
+            return Refusal(NOT_REGULAR, f"file type {stat.S_IFMT(pre.st_mode):o}")
         try:
             fd = os.open(path, _MAGIC_LINK_FLAGS)
         except OSError as err:
@@ -290,19 +297,22 @@ def open_mapped_object(path: str, *, root: str | None = None
 
 
 def open_mapping(proc: str, m: Mapping, refusals: list[str] | None = None) -> BinaryIO | None:
-    """The object behind one mapping of a process, the way the process sees it.
+    """The object behind one mapping of a process.
 
-    ``proc`` is ``/proc/PID``. ``/proc/PID/root`` + path gives the
-    container's view of the file; the inode check rejects a file replaced
-    since it was mapped. Deleted files, memfds and mismatches go through
-    ``map_files``, which always opens the object that is actually mapped
-    (needs CAP_SYS_ADMIN). None: neither way opened it (the reasons are
-    appended to ``refusals``).
+    ``proc`` is ``/proc/PID``. First ``map_files``: the kernel's link to the
+    object actually mapped (deleted files and memfds too), three system
+    calls; following it needs CAP_CHECKPOINT_RESTORE (or CAP_SYS_ADMIN),
+    which the daemon keeps. Without it, ``/proc/PID/root`` + path: the
+    container's view of the file, resolved one component at a time (a dozen
+    system calls for a library four directories deep; a busy node opens a
+    few objects for each of its 20 new processes a second), where an inode
+    check rejects a file replaced since it was mapped. None: neither way
+    opened it (the reasons are appended to ``refusals``).
     """
-    candidates: list[tuple[str, str | None]] = []
+    candidates: list[tuple[str, str | None]] = [(f"{proc}/map_files/{m.start:x}-{m.end:x}",
+                                                 None)]
     if not m.is_deleted and not m.is_memfd:
         candidates.append((m.path, f"{proc}/root"))
-    candidates.append((f"{proc}/map_files/{m.start:x}-{m.end:x}", None))
     for path, root in candidates:
         opened = open_mapped_object(path, root=root)
         if isinstance(opened, Refusal):
