@@ -59,6 +59,11 @@ SWAP_SECONDS = 0.25
 #: The estimated overhead against the loss measured, lowest and highest
 #: seen over six processes here (CPUs swapped every SWAP_SECONDS).
 ESTIMATE_RANGE = (0.6, 1.25)
+#: How far one phase's loss may sit from another's for the same share of
+#: hook-on time: three always-on phases of one run lost 0.296-0.308 here; on
+#: a CI machine a phase with the hook on 97% of the time lost 0.323 after an
+#: always-on phase lost 0.292 (every segment of each within 0.01 of its median).
+PHASE_SPREAD = 0.05
 LEAVES = ("a_rec", "b_rec", "c_rec")
 #: Every Python function of the workload, outermost first.
 KNOWN = ("<module>", "work_loop", *LEAVES)
@@ -286,14 +291,14 @@ def test_budget_bounds_the_loss_and_keeps_the_profile(host_interp: Interp) -> No
     # the estimate chose. Measured over nine runs here: within 0.031.
     for phase in (quarter, twentieth):
         on_share = 1 - phase.paused / phase.samples
-        assert abs(phase.loss - on_share * always.loss) <= 0.05, report
+        assert abs(phase.loss - on_share * always.loss) <= PHASE_SPREAD, report
     # The budget holds as far as the estimate of the overhead is right (it
     # rests on the cost per call the runtime measures, ABI.md section 8).
     # Over six processes here the estimate was 0.60 to 1.25 times the loss
     # measured (ESTIMATE_RANGE; one CI run: 0.80): at 0.25, near the always-on loss,
     # the hook may then stay on; at 0.05 the loss stays a few points.
     low, high = ESTIMATE_RANGE
-    assert quarter.loss <= min(always.loss, 0.25 / low) + 0.03, report
+    assert quarter.loss <= min(always.loss, 0.25 / low) + PHASE_SPREAD, report
     assert quarter.loss >= min(0.25, always.loss) / high - 0.03, report
     assert twentieth.loss <= 0.05 / low + 0.03, report
     assert twentieth.loss < always.loss - 0.05, report
