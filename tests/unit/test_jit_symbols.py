@@ -48,6 +48,28 @@ def test_no_fallback_to_the_hosts_tmp(tmp_path):
     assert jitdump.refused == "missing"
 
 
+def test_the_status_is_read_at_the_first_lookup_of_jit_code(tmp_path):
+    """A process whose JIT code is never sampled costs no status read; one
+    gone by its first lookup names nothing and is not read again."""
+    (tmp_path / "4242" / "root" / "tmp").mkdir(parents=True)
+    jit = JitSymbols(4242, proc_root=str(tmp_path))
+    assert jit.sources() == () and jit.memory_bytes() == 0
+    # Written after the reader was made: the namespace pid is the one it reads.
+    tmp = fake_process(tmp_path, 4243, [4243, 9])
+    (tmp / "perf-9.map").write_text("7000 10 inner_named\n")
+    (tmp_path / "4243" / "status").rename(tmp_path / "4242" / "status")
+    assert jit.resolve(ANON, 0x7008) is None  # /4242/root/tmp has no perf-9.map
+    assert jit.perf_map.path.endswith("/4242/root/tmp/perf-9.map")
+    assert [kind for kind, _reader in jit.sources()] == ["perf_map", "jitdump"]
+
+    gone = JitSymbols(4244, proc_root=str(tmp_path))
+    assert gone.resolve(ANON, 0x7008) is None and gone.unavailable
+    (tmp_path / "4244" / "root" / "tmp").mkdir(parents=True)
+    (tmp_path / "4242" / "status").rename(tmp_path / "4244" / "status")
+    assert gone.resolve(ANON, 0x7008) is None and gone.sources() == ()
+    assert gone.debug_info(0x7008) is None
+
+
 def test_miss_rereads_at_most_once_per_interval(tmp_path):
     tmp = fake_process(tmp_path, 10, [10])
     path = tmp / "perf-10.map"

@@ -211,7 +211,7 @@ class ProcessImage:
             jit = self.jit
             source = self.jit_sources.get(addr)  # cached even where unnamed
             if source is None:
-                debug = jit.jitdump.debug_info(addr) if jit is not None else None
+                debug = jit.debug_info(addr) if jit is not None else None
                 source = FrameSource(addr) if debug is None else \
                     FrameSource(addr, None, debug[0], debug[1])
             if mapping.is_exec and self._current_jit_key(symbolizer) == self._jit_key:
@@ -369,17 +369,14 @@ class ProcessRegistry:
         return state.images.get(exec_id)
 
     def _image(self, pid: int, start_boottime_ns: int) -> ProcessImage:
-        try:
-            jit: JitSymbols | None = JitSymbols(pid, start_boottime_ns,
-                                                proc_root=self.proc_root,
-                                                limits=self.jit_limits)
-        except (OSError, ValueError, IndexError, SymbolizationError) as exc:
-            log.debug("no perf map / jitdump lookup for pid %d: %s", pid, exc)
-            jit = None
+        # Reads nothing yet: the files are looked for at the first lookup
+        # of JIT code (most processes have none).
+        jit = JitSymbols(pid, start_boottime_ns, proc_root=self.proc_root,
+                         limits=self.jit_limits)
         try:
             symbolizer: ProcessSymbolizer | None = ProcessSymbolizer(
                 pid, self.elf_cache, self.symbolization_stats, proc_root=self.proc_root,
-                anon_resolver=jit.resolve if jit else None, debug_info=self.debug_info,
+                anon_resolver=jit.resolve, debug_info=self.debug_info,
                 demangler=self.demangler)
         except SymbolizationError as exc:
             self.failures["process_gone"] += 1

@@ -14,11 +14,13 @@ A lookup that misses re-reads the files (at most once per
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tramprof.model import SymbolizationError
 from tramprof.procfs.identity import read_status_ids
 from tramprof.procfs.maps import Mapping
 from tramprof.symbols.jitdump import JitDump
@@ -30,6 +32,8 @@ from tramprof.symbols.tailreader import RefreshResult
 MTIME_SLACK_NS = 20_000_000
 #: Reader statistics that are gauges, not counters.
 GAUGES = frozenset(("entries", "bytes_capped"))
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,13 +76,17 @@ class JitSymbols:
         self.pid = pid
         self.limits = limits or JitLimits()
         self._clock = clock
-        ids = read_status_ids(pid, proc_root)
-        nstgid, euid = ids.inner_pid, ids.euid
-        not_before = None
+        self._proc_root = proc_root
+        self._not_before: int | None = None
         if start_boottime_ns is not None:
-            not_before = boot_time_realtime_ns() + start_boottime_ns - MTIME_SLACK_NS
-        self.perf_map, self.jitdump = self._readers(pid, nstgid, euid, proc_root, not_before)
-        self._reader_args = (pid, nstgid, euid, proc_root, not_before)
+            self._not_before = boot_time_realtime_ns() + start_boottime_ns - MTIME_SLACK_NS
+        # Made on first need (_files): where the files are depends on the
+        # process's pid namespace and uid, read from its status, which most
+        # processes (no JIT code ever sampled) never need read.
+        self._readers: tuple[PerfMap, JitDump] | None = None
+        self._ids: tuple[int, int] | None = None  # (innermost NStgid, euid)
+        #: The status could not be read when the files were first needed.
+        self.unavailable = False
         self._last_refresh: float | None = None
         #: Moves whenever the indexes may have changed (a refresh, an
         #: eviction): a name found at one epoch holds until the next.
@@ -95,8 +103,19 @@ class JitSymbols:
         # Counters of readers dropped by evictions, so totals stay monotonic.
         self.retired_counters: Counter[tuple[str, str]] = Counter()
 
-    def _readers(self, pid: int, nstgid: int, euid: int, proc_root: str,
-                 not_before: int | None) -> tuple[PerfMap, JitDump]:
+    def _files(self) -> tuple[PerfMap, JitDump]:
+        """The two readers, made on first call. Raises ProcessGone, OSError
+        or ValueError when the process's status cannot be read (it exited:
+        its ``/tmp`` is gone with it)."""
+        if self._readers is None:
+            if self._ids is None:
+                status = read_status_ids(self.pid, self._proc_root)
+                self._ids = (status.inner_pid, status.euid)
+            self._readers = self._new_readers(*self._ids)
+        return self._readers
+
+    def _new_readers(self, nstgid: int, euid: int) -> tuple[PerfMap, JitDump]:
+        pid, proc_root, not_before = self.pid, self._proc_root, self._not_before
         return (PerfMap.for_process(
                     pid, nstgid, euid, proc_root=proc_root, not_before_ns=not_before,
                     max_file_bytes=self.limits.max_perf_map_bytes,
@@ -107,9 +126,21 @@ class JitSymbols:
                     max_file_bytes=self.limits.max_jitdump_bytes,
                     max_entries=self.limits.max_entries))
 
+    @property
+    def perf_map(self) -> PerfMap:
+        return self._files()[0]
+
+    @property
+    def jitdump(self) -> JitDump:
+        return self._files()[1]
+
     def sources(self) -> tuple[tuple[str, PerfMap | JitDump], ...]:
-        """(kind, reader) of both files, kinds as in the metrics."""
-        return (("perf_map", self.perf_map), ("jitdump", self.jitdump))
+        """(kind, reader) of both files, kinds as in the metrics; none
+        before the files were first looked for."""
+        if self._readers is None:
+            return ()
+        perf_map, jitdump = self._readers
+        return (("perf_map", perf_map), ("jitdump", jitdump))
 
     def note_use(self) -> float:
         """Move ``last_used`` to now if there were lookups since the last call."""
@@ -120,7 +151,7 @@ class JitSymbols:
 
     def memory_bytes(self) -> int:
         """Estimated memory of both indexes."""
-        return self.perf_map.memory_bytes() + self.jitdump.memory_bytes()
+        return sum(reader.memory_bytes() for _kind, reader in self.sources())
 
     def evict(self) -> None:
         """Drop both indexes (the symbol memory budget is used up); JIT frames
@@ -129,7 +160,8 @@ class JitSymbols:
             for name, value in reader.stats.as_dict().items():
                 if name not in GAUGES:
                     self.retired_counters[(kind, name)] += value
-        self.perf_map, self.jitdump = self._readers(*self._reader_args)
+        if self._ids is not None:
+            self._readers = self._new_readers(*self._ids)
         self.epoch += 1
         self._last_refresh = None
         self.last_results = None
@@ -137,9 +169,11 @@ class JitSymbols:
         self.evictions += 1
 
     def refresh(self) -> None:
+        """Read what the files gained; raises as ``_files`` the first time."""
+        perf_map, jitdump = self._files()
         self._last_refresh = self._clock()
         self.epoch += 1
-        self.last_results = (self.perf_map.refresh(), self.jitdump.refresh())
+        self.last_results = (perf_map.refresh(), jitdump.refresh())
 
     def _lookup(self, addr: int) -> str | None:
         return self.perf_map.lookup(addr) or self.jitdump.lookup(addr)
@@ -159,7 +193,15 @@ class JitSymbols:
                 return None
             self._evicted_until = None
         if self._last_refresh is None:
-            self.refresh()
+            if self.unavailable:
+                return None
+            try:
+                self.refresh()
+            except (OSError, ValueError, IndexError, SymbolizationError) as exc:
+                # Exited, or a status without its ids: no files to look for.
+                self.unavailable = True
+                log.debug("no perf map / jitdump lookup for pid %d: %s", self.pid, exc)
+                return None
         name = self._lookup(addr)
         if name is None and self._last_refresh is not None and \
                 self._clock() - self._last_refresh >= self.limits.refresh_interval:
@@ -168,6 +210,11 @@ class JitSymbols:
         if name is not None:
             self.resolved += 1
         return name
+
+    def debug_info(self, addr: int) -> tuple[str, int] | None:
+        """Source file and line the jitdump gives for ``addr`` (None before
+        the files were first read)."""
+        return self._readers[1].debug_info(addr) if self._readers is not None else None
 
     def report(self) -> list[JitSourceReport]:
         if self._last_refresh is None:
