@@ -238,6 +238,33 @@ def test_any_bytes_in_a_name_give_exactly_one_mapping(name: bytes) -> None:
     assert shown.isprintable()
 
 
+_LINE_PARTS = st.tuples(
+    st.sampled_from(["7f0000010000-7f0000020000", "1000-2000", "2000-1000", "10-0x20", "A0-B0"]),
+    st.sampled_from(["r-xp", "---p", "R-XP", ""]),
+    st.sampled_from(["00001000", "0", "0x10", "1_0"]),
+    st.sampled_from(["fe:00", "00:00", "FE:0a", "fe00"]),
+    st.sampled_from(["999", "0", "+5", "x"]),
+    st.binary(max_size=30).filter(lambda b: b"\n" not in b))
+
+
+@given(st.lists(_LINE_PARTS, max_size=6), st.booleans())
+def test_a_whole_file_parses_as_its_lines_do(lines, final_newline: bool) -> None:
+    """The file is parsed with one pattern where every line is the kernel's
+    format; the result (or the error) is always that of line by line."""
+    text = b"\n".join(b" ".join(part.encode() for part in parts[:5]) + b"    " + parts[5]
+                      for parts in lines) + (b"\n" if final_newline else b"")
+    try:
+        expected = sorted((parse_maps_line(line.decode("utf-8", "surrogateescape"))
+                           for line in text.split(b"\n") if line.strip(b" ")),
+                          key=lambda m: m.start)
+    except ValueError:
+        with pytest.raises(ValueError):
+            parse_maps(text)
+        return
+    parsed = parse_maps(text)
+    assert [dataclasses.astuple(m) for m in parsed] == [dataclasses.astuple(m) for m in expected]
+
+
 def test_real_process_mapping_a_file_named_with_a_fake_vdso_line(tmp_path: Path) -> None:
     """A process maps a file whose name carries \\r and a fake 600 MiB [vdso]
     line: the daemon's reader sees the file once and the real vdso once."""

@@ -14,6 +14,7 @@ the file can be opened again); every name shown to a person goes through
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -164,13 +165,32 @@ def parse_maps_line(line: str) -> Mapping:
     )
 
 
+#: One line exactly as the kernel prints it (lowercase hex, decimal inode);
+#: the path is what follows the padding, any bytes but ``\n``.
+_KERNEL_LINE = re.compile(
+    rb"^([0-9a-f]+)-([0-9a-f]+) (\S+) ([0-9a-f]+) ([0-9a-f]+):([0-9a-f]+) ([0-9]+)(?: +(.*))?$",
+    re.MULTILINE)
+
+
 def parse_maps(data: bytes | str) -> list[Mapping]:
     """Parse a whole maps file, sorted by start address. Lines end at
-    ``\n`` only (see the module docstring)."""
+    ``\n`` only (see the module docstring).
+
+    One pattern over the whole file (a new process's maps are read at its
+    first sample: a third faster than line by line); a file with any line
+    it does not match is parsed line by line, which says what is wrong."""
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogateescape")
-    mappings = [parse_maps_line(line.decode("utf-8", "surrogateescape"))
-                for line in data.split(b"\n") if line.strip(b" ")]
+    fields = _KERNEL_LINE.findall(data)
+    lines = data.count(b"\n") + (not data.endswith(b"\n") and bool(data))
+    mappings = [] if len(fields) != lines else [
+        Mapping(int(start, 16), int(end, 16), perms.decode("ascii"), int(offset, 16),
+                int(major, 16), int(minor, 16), int(inode),
+                path.decode("utf-8", "surrogateescape"))
+        for start, end, perms, offset, major, minor, inode, path in fields]
+    if len(fields) != lines or any(m.end < m.start for m in mappings):
+        mappings = [parse_maps_line(line.decode("utf-8", "surrogateescape"))
+                    for line in data.split(b"\n") if line.strip(b" ")]
     mappings.sort(key=attrgetter("start"))
     return mappings
 
