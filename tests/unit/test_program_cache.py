@@ -98,6 +98,25 @@ def test_the_key_covers_source_flags_and_kernel(tmp_path):
     assert key not in others and len(others) == 4
 
 
+def test_the_key_covers_the_headers_of_the_include_directories(tmp_path):
+    """The source includes its own headers: one of them changed (an upgrade
+    touching only a header) is another program."""
+    btf = tmp_path / "btf"
+    btf.write_bytes(b"one kernel")
+    headers = tmp_path / "include"
+    headers.mkdir()
+    (headers / "walk.h").write_text("#define CHECK 0\n")
+    (headers / "notes.txt").write_text("not a header")
+    request = LoadRequest(REQUEST.text, [*REQUEST.cflags, f"-I{headers}"], REQUEST.programs, [])
+    key = cache_key(request, str(btf))
+    (headers / "notes.txt").write_text("still not a header")
+    assert cache_key(request, str(btf)) == key
+    (headers / "walk.h").write_text("#define CHECK 1\n")
+    changed = cache_key(request, str(btf))
+    (headers / "scan.h").write_text("")
+    assert len({key, changed, cache_key(request, str(btf))}) == 3
+
+
 def test_stored_images_come_back_and_only_the_newest_are_kept(tmp_path):
     cache = ProgramCache(str(tmp_path / "cache"))
     assert cache.load("a" * 64) is None  # no directory yet: nothing, no error

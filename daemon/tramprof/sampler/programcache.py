@@ -27,6 +27,7 @@ import os
 import re
 import stat
 import tempfile
+from collections.abc import Sequence
 from importlib.util import find_spec
 
 from tramprof.sampler.compiler import LoadRequest
@@ -60,6 +61,21 @@ def bcc_version() -> str:
     return found.group(1) if found else ""
 
 
+def _headers_digest(cflags: Sequence[str]) -> str:
+    """Every ``*.h`` of the source's own include directories (an upgrade
+    that changes only a header must not load the old program)."""
+    digest = hashlib.sha256()
+    for directory in (flag[2:] for flag in cflags if flag.startswith("-I")):
+        try:
+            names = sorted(name for name in os.listdir(directory) if name.endswith(".h"))
+        except OSError:
+            names = []
+        for name in names:
+            path = os.path.join(directory, name)
+            digest.update(f"{path}\0{_file_digest(path)}\0".encode())
+    return digest.hexdigest()
+
+
 def _file_digest(path: str) -> str:
     digest = hashlib.sha256()
     try:
@@ -80,13 +96,15 @@ def _read_text(path: str) -> str:
 
 
 def cache_key(request: LoadRequest, btf_path: str) -> str:
-    """What the compiled program depends on, hashed: the source and flags,
-    the programs asked for, bcc, and the running kernel (its build, BTF and
-    possible CPUs, which size the per-CPU maps)."""
+    """What the compiled program depends on, hashed: the source, the headers
+    it can include from its ``-I`` directories, the flags, the programs asked
+    for, bcc, and the running kernel (its build, BTF and possible CPUs, which
+    size the per-CPU maps)."""
     uname = os.uname()
     identity = {
         "format": IMAGE_FORMAT,
         "request": request.to_json(),
+        "headers": _headers_digest(request.cflags),
         "bcc": bcc_version(),
         "kernel": [uname.release, uname.version, uname.machine],
         "btf": _file_digest(btf_path),
