@@ -18,8 +18,7 @@
  * Limits: the window is TP_SCAN_BYTES above sp (more readable stack:
  * TP_SCAN_TRUNCATED); it ends early at the first unreadable page. At most
  * TP_SCAN_HITS_PER_CHUNK candidates per chunk and TP_MAX_TRAMP frames in all;
- * past either, frames are lost (TP_SCAN_OVERFLOW). A caller word on the next
- * page is not checked.
+ * past either, frames are lost (TP_SCAN_OVERFLOW).
  *
  * Part of profile.bpf.c (one translation unit for bcc): included after the
  * maps and shared helpers, not on its own.
@@ -150,11 +149,16 @@ static __always_inline int scan_run(struct tp_user_stack *st, struct tp_scan_scr
             below = (below + (below >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
             __u32 j = ((below * 0x0101010101010101ULL) >> 56) & (TP_SCAN_CHUNK_WORDS - 1);
             /* Is the stub's caller still there? A stale return address left
-             * in a live C frame has usually lost it. (A caller word on the
-             * next page is not checked.) */
+             * in a live C frame has usually lost it. A caller word past the
+             * copied page is read on its own (an unreadable one: kept). */
             __u32 cj = at + j + cwords;
-            __u64 cx = copy->words[cj & 511] - cmin;
-            int live = ((((cx - cspan) & ~cx) >> 63) | (cj >> 9) | !cwords) & 1;
+            __u64 cword = copy->words[cj & 511];
+            int unread = 0;
+            if (cj >> 9)
+                unread = bpf_probe_read_user(&cword, sizeof(cword),
+                                             (void *)(addr + (j + cwords) * 8)) != 0;
+            __u64 cx = cword - cmin;
+            int live = ((((cx - cspan) & ~cx) >> 63) | unread | !cwords) & 1;
             scan_hit(st, sc, &page, cw[j], roff, addr + j * 8, live, &h, &c);
             bits &= bits - 1;
         }

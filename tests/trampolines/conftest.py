@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,10 +109,13 @@ class Interp:
         return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
     def popen(self, *args: str, env: dict[str, str] | None = None,
-              cwd: str | None = None) -> subprocess.Popen[str]:
+              cwd: str | None = None, wrapper: Sequence[str] = ()) -> subprocess.Popen[str]:
+        """The interpreter with ``args``; ``wrapper`` is a host command that
+        execs the rest (e.g. ``setarch``), so its pid is the interpreter's."""
         command, full_env, host_cwd = self._command(self.argv(*args), env, cwd)
-        proc = subprocess.Popen(command, env=full_env, cwd=host_cwd, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([*wrapper, *command], env=full_env, cwd=host_cwd,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
         self.pids.append(proc.pid)
         return proc
 

@@ -5,14 +5,18 @@ the stubs' return addresses ("scan" mode; root, Debian trixie's python3.13)."""
 from __future__ import annotations
 
 import os
+import signal
+import struct
 import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from tramprof.config import Config
 from tramprof.pipeline.profiler import Profiler
 from tramprof.sampler.layout import Counter as BpfCounter
+from tramprof.unwind.scan import ScanMode, ScanProcess
 
 from .conftest import Interp, root_interp
 from .test_chain_unwind import assert_exact_chain, python_frames, record, share, start, stop
@@ -50,6 +54,101 @@ def test_recursion_60_deep_is_exact_to_the_root(trixie: Interp) -> None:
     expected = ["<module>", "main", *["descend"] * 60, "leaf"]
     reached = share(stacks, lambda s: python_frames(s) == expected)
     assert reached >= 0.90, [(len(python_frames(s)), c) for s, c in stacks.items()][:5]
+
+
+PAGE = 4096
+
+
+def start_fixed(interp: Interp, pad: int) -> subprocess.Popen[str]:
+    """recurse 60 under ``-X perf`` with address randomization off: the
+    stack's layout then depends only on argv and the environment, here
+    ``pad`` bytes longer."""
+    proc = interp.popen("-X", "perf", interp.script("nesting.py"), "recurse", "30", "60",
+                        env={"PAD": "x" * pad}, wrapper=("setarch", os.uname().machine, "-R"))
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", (line, proc.stderr.read() if proc.stderr else "")
+    return proc
+
+
+def profile_with_layout(pid: int, seconds: float = 3
+                        ) -> tuple[dict[tuple[str, ...], int], ScanProcess]:
+    """Stacks of ``pid`` from an in-process profiler, and what its scan mode
+    installed for the process (stub layout, arenas, caller check)."""
+    profiler = Profiler(Config(pids=(pid,), frequency=499))
+    stacks: Counter[tuple[str, ...]] = Counter()
+    profiler.start()
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            profiler.wait(0.2)
+            for s in profiler.collect():
+                if s.pid == pid:
+                    stacks[(s.comm, *s.frames)] += s.count
+        [scan] = [m for m in profiler.unwinders.modes if isinstance(m, ScanMode)]
+        installed = scan._procs[pid]
+    finally:
+        profiler.close()
+    return dict(stacks), installed
+
+
+def stale_words(pid: int, installed: ScanProcess) -> list[int]:
+    """Addresses of the stub return addresses on the stopped process's live
+    stack (above its innermost running stub frame) whose caller's word is
+    not in the interpreter's text: what the scan must not take for frames."""
+    caller = installed.caller
+    assert caller is not None and caller.checks_text, installed
+    stride, roff = installed.layout.stride, installed.layout.return_offset
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    [line] = [ln for ln in maps if ln.endswith("[stack]")]
+    low, high = (int(x, 16) for x in line.split()[0].split("-"))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with open(f"/proc/{pid}/mem", "rb") as mem:
+            mem.seek(low)
+            data = mem.read(high - low)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    words = struct.unpack(f"<{len(data) // 8}Q", data)
+    up = caller.offset // 8
+    live, stale = [], []
+    for i, word in enumerate(words[:-up]):
+        if word % stride == roff % stride and \
+                any(a <= word < b for a, b in installed.arenas.ranges):
+            running = caller.start <= words[i + up] < caller.end
+            (live if running else stale).append(low + 8 * i)
+    return [address for address in stale if address > min(live)]
+
+
+def test_a_stale_word_with_its_callers_word_on_the_next_page_is_not_a_frame(
+        trixie: Interp) -> None:
+    """The caller check reads the word ``caller.offset`` bytes above a
+    candidate; past the page the scan has copied, that word is read on its
+    own. Placed there by padding the environment (randomization off), the
+    start-up stale word is rejected as it is elsewhere."""
+    expected = ["<module>", "main", *["descend"] * 60, "leaf"]
+    proc = start_fixed(trixie, 0)
+    try:
+        stacks, installed = profile_with_layout(proc.pid)
+        [where] = stale_words(proc.pid, installed)
+    finally:
+        stop(proc)
+    assert share(stacks, lambda s: python_frames(s) == expected) >= 0.90
+    assert installed.caller is not None and installed.caller.offset >= 16, installed
+    # The last slot of a page at the word's 16-byte alignment (the kernel
+    # keeps the stack 16-byte aligned below the environment's strings).
+    target = PAGE - 8 if (PAGE - 8 - where % PAGE) % 16 == 0 else PAGE - 16
+    pad = (where % PAGE - target) % PAGE
+    proc = start_fixed(trixie, pad)
+    try:
+        stacks, installed = profile_with_layout(proc.pid)
+        moved = stale_words(proc.pid, installed)
+    finally:
+        stop(proc)
+    assert [address % PAGE for address in moved] == [target], (hex(where), pad, moved)
+    exact = share(stacks, lambda s: python_frames(s) == expected)
+    assert exact >= 0.90, [(python_frames(s)[:4], len(python_frames(s)), s[-3:], c)
+                           for s, c in sorted(stacks.items(), key=lambda kv: -kv[1])[:4]]
 
 
 def profile_recursion(interp: Interp, depth: int, scan_bytes: int, seconds: float = 3
