@@ -10,6 +10,7 @@ import struct
 import subprocess
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -71,27 +72,6 @@ def start_fixed(interp: Interp, pad: int) -> subprocess.Popen[str]:
     return proc
 
 
-def profile_with_layout(pid: int, seconds: float = 3
-                        ) -> tuple[dict[tuple[str, ...], int], ScanProcess]:
-    """Stacks of ``pid`` from an in-process profiler, and what its scan mode
-    installed for the process (stub layout, arenas, caller check)."""
-    profiler = Profiler(Config(pids=(pid,), frequency=499))
-    stacks: Counter[tuple[str, ...]] = Counter()
-    profiler.start()
-    try:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            profiler.wait(0.2)
-            for s in profiler.collect():
-                if s.pid == pid:
-                    stacks[(s.comm, *s.frames)] += s.count
-        [scan] = [m for m in profiler.unwinders.modes if isinstance(m, ScanMode)]
-        installed = scan._procs[pid]
-    finally:
-        profiler.close()
-    return dict(stacks), installed
-
-
 def stale_words(pid: int, installed: ScanProcess) -> list[int]:
     """Addresses of the stub return addresses on the stopped process's live
     stack (above its innermost running stub frame) whose caller's word is
@@ -127,28 +107,29 @@ def test_a_stale_word_with_its_callers_word_on_the_next_page_is_not_a_frame(
     own. Placed there by padding the environment (randomization off), the
     start-up stale word is rejected as it is elsewhere."""
     expected = ["<module>", "main", *["descend"] * 60, "leaf"]
+    window = Config().scan_window_bytes
     proc = start_fixed(trixie, 0)
     try:
-        stacks, installed = profile_with_layout(proc.pid)
-        [where] = stale_words(proc.pid, installed)
+        profiled = _profile(proc.pid, window, 3)
+        [where] = stale_words(proc.pid, profiled.installed)
     finally:
         stop(proc)
-    assert share(stacks, lambda s: python_frames(s) == expected) >= 0.90
-    assert installed.caller is not None and installed.caller.offset >= 16, installed
+    assert share(profiled.stacks, lambda s: python_frames(s) == expected) >= 0.90
+    caller = profiled.installed.caller
+    assert caller is not None and caller.offset >= 16, profiled.installed
     # The last slot of a page at the word's 16-byte alignment (the kernel
     # keeps the stack 16-byte aligned below the environment's strings).
     target = PAGE - 8 if (PAGE - 8 - where % PAGE) % 16 == 0 else PAGE - 16
     pad = (where % PAGE - target) % PAGE
     proc = start_fixed(trixie, pad)
     try:
-        stacks, installed = profile_with_layout(proc.pid)
-        moved = stale_words(proc.pid, installed)
+        profiled = _profile(proc.pid, window, 3)
+        moved = stale_words(proc.pid, profiled.installed)
     finally:
         stop(proc)
     assert [address % PAGE for address in moved] == [target], (hex(where), pad, moved)
-    exact = share(stacks, lambda s: python_frames(s) == expected)
-    assert exact >= 0.90, [(python_frames(s)[:4], len(python_frames(s)), s[-3:], c)
-                           for s, c in sorted(stacks.items(), key=lambda kv: -kv[1])[:4]]
+    exact = share(profiled.stacks, lambda s: python_frames(s) == expected)
+    assert exact >= 0.90, [(len(python_frames(s)), c) for s, c in profiled.stacks.items()][:5]
 
 
 def profile_recursion(interp: Interp, depth: int, scan_bytes: int, seconds: float = 3
@@ -158,13 +139,22 @@ def profile_recursion(interp: Interp, depth: int, scan_bytes: int, seconds: floa
     pipeline, as ``tramprof run`` builds it)."""
     proc = start_perf(interp, "recurse", "30", str(depth))
     try:
-        return _profile(proc.pid, scan_bytes, seconds)
+        profiled = _profile(proc.pid, scan_bytes, seconds)
     finally:
         stop(proc)
+    return profiled.stacks, profiled.counters
 
 
-def _profile(pid: int, scan_bytes: int, seconds: float
-             ) -> tuple[dict[tuple[str, ...], int], dict[BpfCounter, int]]:
+@dataclass
+class Profiled:
+    stacks: dict[tuple[str, ...], int]
+    counters: dict[BpfCounter, int]
+    installed: ScanProcess  # what the scan mode installed for the process
+
+
+def _profile(pid: int, scan_bytes: int, seconds: float) -> Profiled:
+    """Stacks of ``pid`` from an in-process profiler, its BPF counters and
+    the process's stub layout, arenas and caller check."""
     profiler = Profiler(Config(pids=(pid,), frequency=499, scan_window_bytes=scan_bytes))
     stacks: Counter[tuple[str, ...]] = Counter()
     profiler.start()
@@ -175,10 +165,10 @@ def _profile(pid: int, scan_bytes: int, seconds: float
             for s in profiler.collect():
                 if s.pid == pid:
                     stacks[(s.comm, *s.frames)] += s.count
-        counters = profiler.bpf_counters()
+        [scan] = [m for m in profiler.unwinders.modes if isinstance(m, ScanMode)]
+        return Profiled(dict(stacks), profiler.bpf_counters(), scan._procs[pid])
     finally:
         profiler.close()
-    return dict(stacks), counters
 
 
 def test_a_short_window_keeps_the_innermost_frames_and_says_so(trixie: Interp) -> None:
