@@ -13,13 +13,15 @@ import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from tramprof.procfs.maps import Mapping
 from tramprof.symbols import elf as elf_module
+from tramprof.symbols import usersyms as usersyms_module
 from tramprof.symbols.elf import ElfCache, ElfSymbols
-from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
+from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats, read_kernel_vdso
 
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O2", "-fno-omit-frame-pointer"]
@@ -169,6 +171,38 @@ def test_names_found_in_one_process_are_shared_with_the_next(
             second.resolve(static2)
 
 
+@needs_root
+def test_later_processes_of_a_program_are_warmed_without_opening_its_objects(
+        bins: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first process's objects are opened and held, or parsed; the next
+    processes of the same program find them by the ``stat`` of their
+    ``map_files`` links alone, and still name their frames after exiting."""
+    cache, stats = ElfCache(), SymbolizationStats()
+    with running(bins["pie"]) as (p1, (leaf1, _)), running(bins["pie"]) as (p2, (leaf2, _)), \
+            running(bins["pie"]) as (p3, (leaf3, _)):
+        first = ProcessSymbolizer(p1.pid, cache, stats)
+        first.preload()
+        opened: list[Mapping] = []
+        real_open = usersyms_module.open_mapping
+
+        def counting_open(proc: str, m: Mapping, *args: object, **kwargs: object) -> object:
+            opened.append(m)
+            return real_open(proc, m, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(usersyms_module, "open_mapping", counting_open)
+        held = ProcessSymbolizer(p2.pid, cache, stats)  # while the first one's file is held
+        held.preload()
+        assert first.resolve(leaf1) == "tramprof_unit_leaf"
+        parsed = ProcessSymbolizer(p3.pid, cache, stats)  # after it was parsed
+        parsed.preload()
+        for proc in (p2, p3):
+            proc.kill()
+            proc.wait()
+        assert held.resolve(leaf2) == "tramprof_unit_leaf"
+        assert parsed.resolve(leaf3) == "tramprof_unit_leaf"
+    assert opened == [] and stats.total() == 0
+
+
 def test_fallback_names_are_not_shared(bins: dict[str, Path], tmp_path: Path) -> None:
     """The same stripped program under two names: each process's frames say
     its own file name, and each is counted."""
@@ -294,6 +328,49 @@ def test_vdso_of_own_process(tmp_path: Path) -> None:
     misses = cache.misses
     assert ProcessSymbolizer(os.getpid(), cache).resolve(addr) == "__vdso_clock_gettime"
     assert cache.misses == misses
+
+
+VDSO_BASE_PRINTER = (
+    "import ctypes, sys\n"
+    "libc = ctypes.CDLL(None)\n"
+    "libc.getauxval.restype = ctypes.c_ulong\n"
+    "libc.getauxval.argtypes = [ctypes.c_ulong]\n"
+    "print(hex(libc.getauxval(33)), flush=True)\n"
+    "sys.stdin.read()\n")
+
+
+def test_vdso_frames_of_64_bit_processes_are_named_from_the_daemons_own_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel gives every 64-bit process the same vdso: it is read once,
+    from the daemon's own memory, and no other process's memory is read for
+    it (even after the process exited)."""
+    _base, image = _own_vdso()
+    dump = tmp_path / "vdso.so"
+    dump.write_bytes(image)
+    vaddr = _funcs(dump, dynamic=True)["__vdso_clock_gettime"]
+    seg_off, seg_vaddr, _ = _exec_load(dump)
+    cache = ElfCache()
+    kernel_vdso = read_kernel_vdso(cache)
+    assert kernel_vdso is not None and kernel_vdso.size == len(image)
+    assert read_kernel_vdso(cache, str(tmp_path)) is None  # not a live /proc
+
+    def no_memory_reads(*args: object) -> bytes:
+        raise AssertionError("read another process's memory")
+
+    monkeypatch.setattr(usersyms_module, "read_memory", no_memory_reads)
+    with running("python3", "-c", VDSO_BASE_PRINTER) as (proc, (base,)):
+        sym = ProcessSymbolizer(proc.pid, cache, kernel_vdso=kernel_vdso)
+        sym.preload()
+        vdso = next(m for m in sym.mappings if m.is_vdso)
+        proc.kill()
+        proc.wait()
+        addr = base + vaddr - seg_vaddr + seg_off
+        assert sym.resolve(addr) == "__vdso_clock_gettime"
+        assert sym.stats.total() == 0
+    # Only an image as large, and out of a 32-bit process's reach.
+    assert kernel_vdso.serves(vdso)
+    assert not kernel_vdso.serves(replace(vdso, end=vdso.start + 2 * vdso.size))
+    assert not kernel_vdso.serves(replace(vdso, start=0xf7fc0000, end=0xf7fc0000 + vdso.size))
 
 
 def test_anonymous_exec_memory_and_maps_refresh() -> None:

@@ -619,6 +619,17 @@ class ElfCache:
         f.close()
         return found
 
+    def known(self, st: os.stat_result) -> ElfSymbols | BinaryIO | None:
+        """What ``hold`` would give for a file of this ``stat`` (the parsed
+        symbols, or the one open file held for it), without a descriptor of
+        it: a busy node's new processes map the same few objects, and not
+        opening them again saves most of their warming. None: not known."""
+        identity = stat_key(st)
+        with self._lock:
+            primary = self._aliases.get(identity)
+            found = self._lookup(primary) if primary is not None else None
+            return found if found is not None else self._held.get(identity)
+
     def get_file(self, f: BinaryIO) -> ElfSymbols:
         """Symbols of an open file; raises OSError or ElfError."""
         st = os.fstat(f.fileno())

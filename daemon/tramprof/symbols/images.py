@@ -29,7 +29,14 @@ from tramprof.symbols.debuginfo import DebugInfo, DebugTable
 from tramprof.symbols.demangle import Demangler
 from tramprof.symbols.elf import ElfCache
 from tramprof.symbols.jit import GAUGES, JitLimits, JitSymbols
-from tramprof.symbols.usersyms import ANON, UNKNOWN, ProcessSymbolizer, SymbolizationStats
+from tramprof.symbols.usersyms import (
+    ANON,
+    UNKNOWN,
+    KernelVdso,
+    ProcessSymbolizer,
+    SymbolizationStats,
+    read_kernel_vdso,
+)
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +314,8 @@ class ProcessRegistry:
         self._retired = JitTotals()
         self.jit_evictions = 0
         self.jit_memory_bytes = 0
+        self._kernel_vdso: KernelVdso | None = None
+        self._kernel_vdso_read = False
         #: Process images whose address caches were emptied to stay within
         #: ``bound_address_caches``'s bound.
         self.address_cache_evictions = 0
@@ -373,11 +382,14 @@ class ProcessRegistry:
         # of JIT code (most processes have none).
         jit = JitSymbols(pid, start_boottime_ns, proc_root=self.proc_root,
                          limits=self.jit_limits)
+        if not self._kernel_vdso_read:
+            self._kernel_vdso = read_kernel_vdso(self.elf_cache, self.proc_root)
+            self._kernel_vdso_read = True
         try:
             symbolizer: ProcessSymbolizer | None = ProcessSymbolizer(
                 pid, self.elf_cache, self.symbolization_stats, proc_root=self.proc_root,
                 anon_resolver=jit.resolve, debug_info=self.debug_info,
-                demangler=self.demangler)
+                demangler=self.demangler, kernel_vdso=self._kernel_vdso)
         except SymbolizationError as exc:
             self.failures["process_gone"] += 1
             log.debug("no symbolizer for pid %d: %s", pid, exc)

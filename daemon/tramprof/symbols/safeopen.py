@@ -255,7 +255,22 @@ def open_untrusted(
 _MAGIC_LINK_FLAGS: Final = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
-def open_mapped_object(path: str, *, root: str | None = None
+def stat_mapped_object(proc: str, m: Mapping) -> os.stat_result | Refusal:
+    """The ``stat`` of the object behind one mapping through its kernel link
+    (``map_files``), without opening it: one system call, enough to find an
+    object already parsed or held for another process."""
+    try:
+        return os.stat(_map_files_path(proc, m))
+    except OSError as err:
+        return _refusal_for(err, "stat")
+
+
+def _map_files_path(proc: str, m: Mapping) -> str:
+    return f"{proc}/map_files/{m.start:x}-{m.end:x}"
+
+
+def open_mapped_object(path: str, *, root: str | None = None,
+                       pre: os.stat_result | None = None,
                        ) -> tuple[BinaryIO, os.stat_result] | Refusal:
     """A file a process has mapped (executable, library, runtime extension),
     as a seekable binary file with its ``fstat``.
@@ -265,7 +280,8 @@ def open_mapped_object(path: str, *, root: str | None = None
     following any symlink, as :func:`open_untrusted` does. Without ``root``,
     ``path`` is a kernel magic link (``/proc/PID/map_files/START-END``), which
     is followed: it always names the object actually mapped (a ``stat``
-    through it first: a mapped device is never opened). Either way only a
+    through it first, unless the caller made it (``pre``): a mapped device
+    is never opened). Either way only a
     regular file is returned, opened without blocking. Owner and link count
     are not checked: libraries are owned by anyone and may be hard-linked.
     """
@@ -275,10 +291,11 @@ def open_mapped_object(path: str, *, root: str | None = None
             return opened
         fd, opened._fd = opened._fd, -1
     else:
-        try:
-            pre = os.stat(path)
-        except OSError as err:
-            return _refusal_for(err, "stat")
+        if pre is None:
+            try:
+                pre = os.stat(path)
+            except OSError as err:
+                return _refusal_for(err, "stat")
         if not stat.S_ISREG(pre.st_mode):
             return Refusal(NOT_REGULAR, f"file type {stat.S_IFMT(pre.st_mode):o}")
         try:
@@ -296,7 +313,8 @@ def open_mapped_object(path: str, *, root: str | None = None
     return os.fdopen(fd, "rb"), st
 
 
-def open_mapping(proc: str, m: Mapping, refusals: list[str] | None = None) -> BinaryIO | None:
+def open_mapping(proc: str, m: Mapping, refusals: list[str] | None = None, *,
+                 map_files_stat: os.stat_result | Refusal | None = None) -> BinaryIO | None:
     """The object behind one mapping of a process.
 
     ``proc`` is ``/proc/PID``. First ``map_files``: the kernel's link to the
@@ -308,13 +326,19 @@ def open_mapping(proc: str, m: Mapping, refusals: list[str] | None = None) -> Bi
     few objects for each of its 20 new processes a second), where an inode
     check rejects a file replaced since it was mapped. None: neither way
     opened it (the reasons are appended to ``refusals``).
+    ``map_files_stat``: what :func:`stat_mapped_object` already found.
     """
-    candidates: list[tuple[str, str | None]] = [(f"{proc}/map_files/{m.start:x}-{m.end:x}",
-                                                 None)]
+    candidates: list[tuple[str, str | None]] = [(_map_files_path(proc, m), None)]
     if not m.is_deleted and not m.is_memfd:
         candidates.append((m.path, f"{proc}/root"))
     for path, root in candidates:
-        opened = open_mapped_object(path, root=root)
+        opened: tuple[BinaryIO, os.stat_result] | Refusal
+        if root is not None:
+            opened = open_mapped_object(path, root=root)
+        elif isinstance(map_files_stat, Refusal):
+            opened = map_files_stat
+        else:
+            opened = open_mapped_object(path, pre=map_files_stat)
         if isinstance(opened, Refusal):
             if refusals is not None:
                 refusals.append(f"{root or ''}{path}: {opened.reason} {opened.detail}".rstrip())
