@@ -32,6 +32,7 @@ instead of a UUID; both are accepted.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -152,5 +153,18 @@ def read_metadata(pid: int, proc_root: str = "/proc") -> ProcessMetadata:
         cgroup = read_cgroup(pid, proc_root)
     except (ProcessGone, OSError):
         cgroup = ""
-    return ProcessMetadata(comm, exe, container_id_from_cgroup(cgroup),
-                           pod_uid_from_cgroup(cgroup))
+    labels = (_cgroup_labels(cgroup) if len(cgroup) <= _MAX_REMEMBERED_CGROUP
+              else _cgroup_labels.__wrapped__(cgroup))
+    return ProcessMetadata(comm, exe, *labels)
+
+
+#: Longer cgroups (any process with a delegated subtree may name its own)
+#: are matched every time, so the memo below stays under a MiB.
+_MAX_REMEMBERED_CGROUP = 512
+
+
+@functools.lru_cache(maxsize=1024)
+def _cgroup_labels(cgroup: str) -> tuple[str, str]:
+    """Container id and pod uid of a cgroup: a busy node starts most of its
+    processes in a few cgroups, each of whose paths is matched once."""
+    return container_id_from_cgroup(cgroup), pod_uid_from_cgroup(cgroup)
