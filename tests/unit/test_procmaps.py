@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import os
 import subprocess
 import sys
@@ -131,8 +130,8 @@ def test_mappings_are_equal_and_hash_alike_by_their_fields() -> None:
     assert {m: i for i, m in enumerate(first)} == {m: i for i, m in enumerate(again)}
     cat = first[1]
     assert hash(cat) == hash(again[1])
-    for changed in (dataclasses.replace(cat, offset=0x3000), dataclasses.replace(cat, inode=1),
-                    dataclasses.replace(cat, path="/usr/bin/dog")):
+    for changed in (cat._replace(offset=0x3000), cat._replace(inode=1),
+                    cat._replace(path="/usr/bin/dog")):
         assert changed != cat and changed not in set(again)
 
 
@@ -262,7 +261,7 @@ def test_a_whole_file_parses_as_its_lines_do(lines, final_newline: bool) -> None
             parse_maps(text)
         return
     parsed = parse_maps(text)
-    assert [dataclasses.astuple(m) for m in parsed] == [dataclasses.astuple(m) for m in expected]
+    assert [tuple(m) for m in parsed] == [tuple(m) for m in expected]
 
 
 def test_real_process_mapping_a_file_named_with_a_fake_vdso_line(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -369,8 +368,8 @@ def test_vdso_frames_of_64_bit_processes_are_named_from_the_daemons_own_copy(
         assert sym.stats.total() == 0
     # Only an image as large, and out of a 32-bit process's reach.
     assert kernel_vdso.serves(vdso)
-    assert not kernel_vdso.serves(replace(vdso, end=vdso.start + 2 * vdso.size))
-    assert not kernel_vdso.serves(replace(vdso, start=0xf7fc0000, end=0xf7fc0000 + vdso.size))
+    assert not kernel_vdso.serves(vdso._replace(end=vdso.start + 2 * vdso.size))
+    assert not kernel_vdso.serves(vdso._replace(start=0xF7FC0000, end=0xF7FC0000 + vdso.size))
 
 
 def test_anonymous_exec_memory_and_maps_refresh() -> None:
