@@ -179,6 +179,12 @@ def test_read_metadata_missing_pieces_are_empty(tmp_path: Path) -> None:
     assert read_metadata(3, str(tmp_path)) == ProcessMetadata("", "/bin/sh", "", "")
 
 
+def test_read_metadata_takes_the_name_the_caller_read(tmp_path: Path) -> None:
+    """The comm of the stat that found the process alive, not a second read."""
+    make_proc(tmp_path, 14, comm="from comm", exe="/bin/sh", cgroup="0::/\n")
+    assert read_metadata(14, str(tmp_path), comm="from stat").comm == "from stat"
+
+
 def test_read_metadata_of_a_gone_process(tmp_path: Path) -> None:
     assert read_metadata(999, str(tmp_path)) == UNKNOWN
 

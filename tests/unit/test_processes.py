@@ -26,7 +26,7 @@ from tramprof.procfs.events import (
     decode_connector_datagram,
     open_event_source,
 )
-from tramprof.procfs.identity import ProcessGone, ProcessIdentity, read_stat
+from tramprof.procfs.identity import ProcessGone, ProcessIdentity, ProcStat, read_stat
 from tramprof.procfs.table import ProcessTable
 
 from .test_procinfo import make_proc
@@ -153,11 +153,13 @@ class Recorder:
 
     def __init__(self) -> None:
         self.made = 0
+        self.started: list[int] = []  # start time in the stat each factory got
         self.dropped: list[tuple[ProcessIdentity, str]] = []
 
-    def factory(self, label: str) -> Callable[[], str]:
-        def make() -> str:
+    def factory(self, label: str) -> Callable[[ProcStat], str]:
+        def make(stat: ProcStat) -> str:
             self.made += 1
+            self.started.append(stat.start_ticks)
             return label
 
         return make
@@ -195,7 +197,7 @@ def test_table_pid_reuse_never_returns_the_old_state(
     with pytest.raises(ProcessGone):
         table.get_or_create(42, 100, rec.factory("zombie of the past"))
     assert table.get(42, 200) == "new"
-    assert rec.made == 2
+    assert rec.made == 2 and rec.started == [100, 200]
 
 
 def test_table_refuses_to_build_state_from_another_process(
@@ -215,7 +217,7 @@ def test_table_pid_reused_while_building(
 ) -> None:
     make_proc(tmp_path, 42, start=100)
 
-    def racing_factory() -> str:
+    def racing_factory(stat: ProcStat) -> str:
         make_proc(tmp_path, 42, start=101)  # exited and reused meanwhile
         return "mixed"
 
@@ -290,7 +292,7 @@ def test_table_survives_failing_on_drop(tmp_path: Path, caplog: pytest.LogCaptur
 
     t: ProcessTable[int] = ProcessTable(str(tmp_path), on_drop=bad_drop)
     make_proc(tmp_path, 7, start=1)
-    t.get_or_create(7, 1, lambda: 1)
+    t.get_or_create(7, 1, lambda _stat: 1)
     with caplog.at_level(logging.ERROR):
         assert t.drop(7)
     assert len(t) == 0
@@ -300,7 +302,7 @@ def test_table_survives_failing_on_drop(tmp_path: Path, caplog: pytest.LogCaptur
 def test_table_factory_error_stores_nothing(tmp_path: Path, table: ProcessTable[str]) -> None:
     make_proc(tmp_path, 7, start=1)
 
-    def broken() -> str:
+    def broken(stat: ProcStat) -> str:
         raise OSError("cannot read maps")
 
     with pytest.raises(OSError):
@@ -330,7 +332,7 @@ def test_table_resync_on_live_proc_catches_a_lost_exec() -> None:
 
     try:
         start = wait_for_image("sh")
-        t.get_or_create(child.pid, start, lambda: "sh state")
+        t.get_or_create(child.pid, start, lambda _stat: "sh state")
         assert t.resync() == 0
         assert child.stdin is not None
         child.stdin.write(b"go\n")
@@ -615,7 +617,7 @@ def test_table_fed_by_connector_does_not_grow_with_churn(
         try:
             st = read_stat(ev.pid)
             if st.ppid == shell.pid and st.comm == "cat":
-                table.get_or_create(ev.pid, st.start_ticks, object)
+                table.get_or_create(ev.pid, st.start_ticks, lambda _stat: object())
                 created.add(ProcessIdentity(ev.pid, st.start_ticks))
         except ProcessGone:
             pass

@@ -132,18 +132,22 @@ def _label_text(path: str) -> str:
     return os.fsencode(path).decode("utf-8", "replace")
 
 
-def read_metadata(pid: int, proc_root: str = "/proc") -> ProcessMetadata:
+def read_metadata(pid: int, proc_root: str = "/proc", *, comm: str | None = None
+                  ) -> ProcessMetadata:
     """Everything :class:`ProcessMetadata` holds for ``pid``, read from ``proc_root``.
 
     Never raises for a process that exits or cannot be read: what could not
     be read is ``""`` (kernel threads have no exe; a process that exited
     midway keeps what was read before). The exe loses the kernel's
     ``" (deleted)"`` suffix so an upgraded binary stays in its group.
+    ``comm``: the name, when the caller has read it already (the comm field
+    of ``/proc/PID/stat`` is the same).
     """
-    try:
-        comm = read_comm(pid, proc_root)
-    except (ProcessGone, OSError):
-        comm = ""
+    if comm is None:
+        try:
+            comm = read_comm(pid, proc_root)
+        except (ProcessGone, OSError):
+            comm = ""
     try:
         exe = read_exe(pid, proc_root) or ""
     except (ProcessGone, OSError):

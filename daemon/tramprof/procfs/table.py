@@ -94,13 +94,16 @@ class ProcessTable(Generic[T]):
         entry = self._entries.get(pid)
         return entry.value if entry is not None else None
 
-    def get_or_create(self, pid: int, start_ticks: int, factory: Callable[[], T]) -> T:
+    def get_or_create(self, pid: int, start_ticks: int,
+                      factory: Callable[[ProcStat], T]) -> T:
         """The state of process (pid, start_ticks), built by ``factory`` if needed.
 
         Raises ProcessGone, without calling or keeping ``factory``'s result,
         when that process no longer exists: exited, a zombie, or its pid now
         belongs to another process (whose /proc files the factory would read).
         Exceptions from ``factory`` propagate and nothing is stored.
+        ``factory`` gets the stat that showed the process alive (its comm
+        is the process's name: one read fewer per new process).
         """
         entry = self._entries.get(pid)
         if entry is not None:
@@ -109,10 +112,10 @@ class ProcessTable(Generic[T]):
             if entry.start_ticks > start_ticks:
                 raise ProcessGone(pid, "its pid has been reused by a newer process")
         identity = ProcessIdentity(pid, start_ticks)
-        self._check_alive(identity)
+        first = self._check_alive(identity)
         if entry is not None:
             self._remove(pid)  # the pid was reused: the older process is dead
-        value = factory()
+        value = factory(first)
         try:
             # The process may have died, and its pid been reused, meanwhile.
             stat = self._check_alive(identity)

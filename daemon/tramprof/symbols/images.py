@@ -21,7 +21,7 @@ from typing import TypeVar, cast
 
 from tramprof.model import FrameSource, MappedFile, ProcessGone, SymbolizationError
 from tramprof.procfs.events import ProcessEvent
-from tramprof.procfs.identity import ProcessIdentity, boottime_ns_to_ticks
+from tramprof.procfs.identity import ProcessIdentity, ProcStat, boottime_ns_to_ticks
 from tramprof.procfs.maps import Mapping
 from tramprof.procfs.metadata import ProcessMetadata, read_metadata
 from tramprof.procfs.table import ProcessTable
@@ -330,8 +330,8 @@ class ProcessRegistry:
         return ProcessIdentity(tgid, boottime_ns_to_ticks(start_boottime_ns))
 
     def _state(self, identity: ProcessIdentity, fallback_name: str) -> ProcessState:
-        def create() -> ProcessState:
-            metadata = read_metadata(identity.pid, self.proc_root)
+        def create(stat: ProcStat) -> ProcessState:
+            metadata = read_metadata(identity.pid, self.proc_root, comm=stat.comm)
             return ProcessState(name=metadata.comm or fallback_name, metadata=metadata)
 
         return self._table.get_or_create(identity.pid, identity.start_ticks, create)
