@@ -379,15 +379,19 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     # Scraped as the shipped Prometheus configuration does (whole /metrics,
     # gzip, every --scrape-interval s); each scrape also tells the last
     # drain's duration. Nothing else asks the daemons for anything meanwhile.
+    # Side by side, the daemon scraped first alternates: neither is always
+    # the one whose scrape meets the other's still running.
     next_scrape = t0
     run_queue: list[int] = []
+    order = list(range(len(daemons)))
     while time.monotonic() - t0 < args.steady:
         time.sleep(max(0.0, next_scrape - time.monotonic()))
         next_scrape += args.scrape_interval
-        for daemon, drained in zip(daemons, drains, strict=True):
-            metrics = daemon.metrics(gzip_body=True)
-            drained[metrics[("tramprof_drains_total", ())]] = \
+        for at in order:
+            metrics = daemons[at].metrics(gzip_body=True)
+            drains[at][metrics[("tramprof_drains_total", ())]] = \
                 metrics[("tramprof_drain_duration_seconds", ())]
+        order.reverse()
         run_queue.append(runnable())
     cpu1 = [daemon.cpu_with_children() for daemon in daemons]
     main1 = [daemon.helper_threads_cpu(main=True) for daemon in daemons]
