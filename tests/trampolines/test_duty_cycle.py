@@ -16,10 +16,13 @@ CPU shares its host; no steal time is reported here) made segments of one
 phase differ by up to 0.16 and the baseline below range 0.97-1.13; swapped
 every quarter second, by at most 0.065 over nine runs.
 
-The comparison is paired: before the profiler starts, the target runs with
-the runtime deactivated next to the reference (BASELINE_SECONDS), and its
-losses are taken against that ratio of the two. The baseline is in the
-failure report.
+The comparison is paired: before the profiler starts and after the last
+segment, the target runs with the runtime deactivated next to the reference
+(BASELINE_SECONDS), and its losses are taken against the mean of those two
+ratios. A phase whose two baselines disagree by more than BASELINE_SPREAD
+is run again (a CI run once measured 0.64 before an always-on phase whose
+neighbours measured 1.0, and that phase's loss came out 0.20 against their
+0.31). The baselines are in the failure report.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ SEGMENT_SECONDS = 10.0
 #: The target's own speed against the reference's, measured this long with
 #: the runtime's hook off and no profiler.
 BASELINE_SECONDS = 10.0
+#: How far the baselines before and after a phase may differ (0.97-1.13
+#: here, swapped every SWAP_SECONDS); a phase is run at most PHASE_RUNS times.
+BASELINE_SPREAD = 0.1
+PHASE_RUNS = 3
 #: The two workloads swap CPUs this often.
 SWAP_SECONDS = 0.25
 #: The estimated overhead against the loss measured, lowest and highest
@@ -72,7 +79,9 @@ KNOWN = ("<module>", "work_loop", *LEAVES)
 @dataclass
 class Phase:
     loss: float                  # 1 - throughput under the runtime / without it (median)
-    baseline: float = 1.0        # target / reference throughput, runtime off
+    baseline: float = 1.0        # target / reference throughput, runtime off (mean)
+    baselines: tuple[float, float] = (1.0, 1.0)  # ... before and after the segments
+    discarded: list[tuple[float, float]] = field(default_factory=list)  # runs' baselines
     losses: list[float] = field(default_factory=list)  # per segment
     cpu_share: float = 0.0       # of one CPU, the smaller of the two workloads'
     samples: int = 0
@@ -182,6 +191,29 @@ class Swapper(threading.Thread):
             self.join()
 
 
+def measured_phase(interp: Interp, budget: float, seconds: int) -> Phase:
+    """``run_phase`` until its baselines agree (at most PHASE_RUNS runs)."""
+    discarded: list[tuple[float, float]] = []
+    while True:
+        phase = run_phase(interp, budget, seconds)
+        before, after = phase.baselines
+        if abs(before - after) <= BASELINE_SPREAD or len(discarded) + 1 >= PHASE_RUNS:
+            phase.discarded = discarded
+            return phase
+        discarded.append(phase.baselines)
+
+
+def _baseline(target: Workload, reference: Workload) -> float:
+    """The target's throughput against the reference's, runtime off."""
+    target.command("off")
+    reference.mark()
+    target.mark()
+    time.sleep(BASELINE_SECONDS)
+    target.mark()
+    reference.mark()
+    return target.rate(-2) / reference.rate(-2)
+
+
 def run_phase(interp: Interp, budget: float, seconds: int) -> Phase:
     """The workload under the runtime and a profiler with ``budget``, next to
     the same workload without either, for ``seconds`` after a warm-up."""
@@ -190,15 +222,11 @@ def run_phase(interp: Interp, budget: float, seconds: int) -> Phase:
     profiler = Profiler(Config(pids=(target.proc.pid,), frequency=499, interval=1.0,
                                python_overhead_budget=budget))
     cpus = sorted(os.sched_getaffinity(0))[:2]
+    closed = False
     try:
         with Swapper(target, reference, cpus):
-            target.command("off")
-            reference.mark()
-            target.mark()
-            time.sleep(BASELINE_SECONDS)
-            target.mark()
-            reference.mark()
-            phase = Phase(loss=0.0, baseline=target.rate(-2) / reference.rate(-2))
+            before = _baseline(target, reference)
+            phase = Phase(loss=0.0)
             target.command("on")
             profiler.start()
             drain_for(profiler, 4.0)  # the duty cycle settles within a few drains
@@ -209,13 +237,21 @@ def run_phase(interp: Interp, budget: float, seconds: int) -> Phase:
                 for stack in stacks:
                     _count(phase, stack.frames, stack.count)
 
-            losses = []
+            ratios = []
             for _segment in range(round(seconds / SEGMENT_SECONDS)):
                 drain_for(profiler, SEGMENT_SECONDS, count)
                 target.mark()
                 reference.mark()
-                losses.append(1 - target.rate(-2) / reference.rate(-2) / phase.baseline)
-        stats = profiler.stats
+                ratios.append(target.rate(-2) / reference.rate(-2))
+            stats = profiler.stats  # of the segments
+            # Sampling stopped, as it was before: the baseline after is taken
+            # as the one before.
+            profiler.close()
+            closed = True
+            after = _baseline(target, reference)
+        phase.baselines = (before, after)
+        phase.baseline = (before + after) / 2
+        losses = [1 - ratio / phase.baseline for ratio in ratios]
         phase.failures = {**{k: v for k, v in stats.symbolization_failures.items() if v},
                           **{f"{kind}_{name}": v for (kind, name), v in stats.jit_counters.items()
                              if v}}
@@ -227,7 +263,8 @@ def run_phase(interp: Interp, budget: float, seconds: int) -> Phase:
         phase.cpu_share = min(target.cpu_share(), reference.cpu_share())
         return phase
     finally:
-        profiler.close()
+        if not closed:
+            profiler.close()
         target.stop()
         reference.stop()
 
@@ -263,10 +300,11 @@ def _shares(phase: Phase) -> dict[str, float]:
 
 
 def test_budget_bounds_the_loss_and_keeps_the_profile(host_interp: Interp) -> None:
-    phases = {budget: run_phase(host_interp, budget, seconds)
+    phases = {budget: measured_phase(host_interp, budget, seconds)
               for budget, seconds in ((0.0, 60), (0.25, 40), (0.05, 60))}
     always, quarter, twentieth = phases[0.0], phases[0.25], phases[0.05]
-    report = "; ".join(f"budget {b}: loss {p.loss:.3f} (baseline {p.baseline:.3f}, segments "
+    report = "; ".join(f"budget {b}: loss {p.loss:.3f} (baselines {p.baselines[0]:.3f} and "
+                       f"{p.baselines[1]:.3f}, runs discarded {p.discarded}, segments "
                        f"{', '.join(f'{x:.3f}' for x in p.losses)}), "
                        f"{p.paused}/{p.samples} paused, "
                        f"exported {p.duty}, CPU share {p.cpu_share:.2f}"
