@@ -607,12 +607,8 @@ class ElfCache:
         its last holder lets go of it; parse it with ``get_file``, never
         close it."""
         identity = stat_key(os.fstat(f.fileno()))
-        found: ElfSymbols | BinaryIO | None
         with self._lock:
-            primary = self._aliases.get(identity)
-            found = self._lookup(primary) if primary is not None else None
-            if found is None:
-                found = self._held.get(identity)
+            found = self._known(identity)
             if found is None:
                 self._held[identity] = f
                 return f
@@ -624,11 +620,13 @@ class ElfCache:
         symbols, or the one open file held for it), without a descriptor of
         it: a busy node's new processes map the same few objects, and not
         opening them again saves most of their warming. None: not known."""
-        identity = stat_key(st)
         with self._lock:
-            primary = self._aliases.get(identity)
-            found = self._lookup(primary) if primary is not None else None
-            return found if found is not None else self._held.get(identity)
+            return self._known(stat_key(st))
+
+    def _known(self, identity: str) -> ElfSymbols | BinaryIO | None:
+        primary = self._aliases.get(identity)
+        found = self._lookup(primary) if primary is not None else None
+        return found if found is not None else self._held.get(identity)
 
     def get_file(self, f: BinaryIO) -> ElfSymbols:
         """Symbols of an open file; raises OSError or ElfError."""

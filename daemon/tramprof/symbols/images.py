@@ -11,6 +11,7 @@ exited are still in the kernel buffer and need its state once more.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
@@ -314,8 +315,6 @@ class ProcessRegistry:
         self._retired = JitTotals()
         self.jit_evictions = 0
         self.jit_memory_bytes = 0
-        self._kernel_vdso: KernelVdso | None = None
-        self._kernel_vdso_read = False
         #: Process images whose address caches were emptied to stay within
         #: ``bound_address_caches``'s bound.
         self.address_cache_evictions = 0
@@ -382,19 +381,21 @@ class ProcessRegistry:
         # of JIT code (most processes have none).
         jit = JitSymbols(pid, start_boottime_ns, proc_root=self.proc_root,
                          limits=self.jit_limits)
-        if not self._kernel_vdso_read:
-            self._kernel_vdso = read_kernel_vdso(self.elf_cache, self.proc_root)
-            self._kernel_vdso_read = True
         try:
             symbolizer: ProcessSymbolizer | None = ProcessSymbolizer(
                 pid, self.elf_cache, self.symbolization_stats, proc_root=self.proc_root,
                 anon_resolver=jit.resolve, debug_info=self.debug_info,
-                demangler=self.demangler, kernel_vdso=self._kernel_vdso)
+                demangler=self.demangler, kernel_vdso=self.kernel_vdso)
         except SymbolizationError as exc:
             self.failures["process_gone"] += 1
             log.debug("no symbolizer for pid %d: %s", pid, exc)
             symbolizer = None
         return ProcessImage(symbolizer=symbolizer, jit=jit)
+
+    @functools.cached_property
+    def kernel_vdso(self) -> KernelVdso | None:
+        """The daemon's own vdso, read at the first process image."""
+        return read_kernel_vdso(self.elf_cache, self.proc_root)
 
     def _retire(self, identity: ProcessIdentity, state: ProcessState) -> None:
         for image in state.images.values():
