@@ -7,8 +7,10 @@ attack shows in a self-metric."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -28,8 +30,6 @@ TARGET_WINDOW_SECONDS = 5
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
-    import os
-
     os.environ["TRAMPROF_MAX_PROCESS_SERIES"] = str(MAX_PROCESS_SERIES)
     try:
         d = Daemon("--interval", "1", "--frequency", "199")
@@ -120,6 +120,37 @@ def test_fifos_at_the_jit_file_paths_block_nothing(daemon, target, attack):
     assert value(metrics, "tramprof_unwind_refusals_total", mode="scan",
                  reason="perf_map_not_regular") >= 1
     assert_unharmed(daemon, target)
+
+
+# Spins long enough to be sampled and warmed (two drains), then becomes argv[1:].
+SPIN_THEN_EXEC = """
+import os, sys, time
+until = time.monotonic() + 2.5
+while time.monotonic() < until:
+    pass
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def test_a_fifo_is_refused_after_an_exec_too(daemon, targets, start_target):
+    """An exec makes a new image of the same pid, its maps read afresh. The
+    JIT target maps its code within a millisecond of its start, so its
+    first maps usually show it already; they must not be taken for the
+    maps of the program the pid ran before, which the unwinding modes saw."""
+    before = value(daemon.metrics(), "tramprof_unwind_refusals_total", mode="scan",
+                   reason="perf_map_not_regular")
+    target = start_target(sys.executable, "-c", SPIN_THEN_EXEC, str(targets / "jit"), "30",
+                          "nomap")
+    os.mkfifo(f"/tmp/perf-{target.pid}.map", 0o644)
+    target.go()
+    metrics = settle(daemon)
+    # Once per image the modes looked at: the image the exec made may be
+    # looked at twice (its process state is made again when the exec event
+    # is applied).
+    assert value(metrics, "tramprof_unwind_refusals_total", mode="scan",
+                 reason="perf_map_not_regular") >= before + 1
+    stacks = folded(daemon, target.pid, 2)
+    assert sum(stacks.values()) >= 100, stacks
 
 
 def test_file_names_cannot_fake_mappings_or_break_the_exposition(daemon, target, attack,

@@ -163,3 +163,22 @@ def test_stacks_not_sampled_for_a_whole_drain_are_forgotten_and_the_cache_is_bou
     drain(namer, [])
     drain(namer, [stacks[0]])  # nor the first
     assert cache.reused == 1
+
+
+def test_a_drain_reports_the_newest_image_each_process_was_named_with(tmp_path):
+    """Samples from before and after an exec, in the drain's order (newest
+    image first): the unwinding modes are shown the image after the exec."""
+    before, *_ = jit_image(tmp_path / "before", PID, "7000 10 old\n")
+    after, *_ = jit_image(tmp_path / "after", PID, "7000 10 new\n")
+
+    class TwoImages:
+        def image(self, tgid: int, start_boottime_ns: int, exec_id: int,
+                  fallback_name: str) -> tuple[str, ProcessImage | None]:
+            return "app", after if exec_id == 2 else before
+
+    namer = StackNamer(TwoImages(), lambda pid: None, KERNEL.get, Counter())
+    samples = [dataclasses.replace(sample(0x7004), exec_id=2),
+               dataclasses.replace(sample(0x7004), exec_id=1)]
+    assert [namer.name(s).frames for s in samples] == [("new",), ("old",)]
+    assert namer.end_drain() == [((PID, 5, 2), after)]
+    assert namer.end_drain() == []

@@ -73,7 +73,8 @@ class StackNamer:
         self._failures = failures
         self.cache = StackCache() if cache is None else cache
         self._naming: _Naming | None = None
-        self._sampled: dict[int, ProcessImage] = {}
+        # pid -> the newest of its images named in this drain.
+        self._sampled: dict[int, tuple[ImageKey, ProcessImage]] = {}
 
     def name(self, sample: RawSample) -> Stack:
         """The sample as a named stack of its process."""
@@ -89,12 +90,14 @@ class StackNamer:
         return Stack(pid=sample.tgid, process=naming.process, comm=sample.comm,
                      frames=named.frames, count=sample.count, sources=named.sources)
 
-    def end_drain(self) -> dict[int, ProcessImage]:
-        """The drain's samples are named: the images they were named with, by pid."""
+    def end_drain(self) -> list[tuple[ImageKey, ProcessImage]]:
+        """The drain's samples are named: the newest image of each process
+        they were named with (samples from before an exec are named with the
+        image they ran in)."""
         self._naming = None
         self.cache.end_drain()
         sampled, self._sampled = self._sampled, {}
-        return sampled
+        return list(sampled.values())
 
     def _naming_for(self, sample: RawSample, key: ImageKey) -> _Naming:
         process, found = self._images.image(sample.tgid, sample.start_boottime_ns,
@@ -102,7 +105,9 @@ class StackNamer:
         stubs = self._arenas(sample.tgid)
         if found is None:
             return _Naming(key, process, None, stubs, None)
-        self._sampled[sample.tgid] = found
+        newest = self._sampled.get(sample.tgid)
+        if newest is None or key[1:] > newest[0][1:]:
+            self._sampled[sample.tgid] = (key, found)
         return _Naming(key, process, found, stubs, self.cache.image(key, stubs))
 
     def _named(self, sample: RawSample, naming: _Naming) -> NamedStack:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import enum
 import logging
 import select
 import time
@@ -25,7 +26,7 @@ from tramprof.config import Config
 from tramprof.inject.policy import AutoInjector
 from tramprof.model import Stack
 from tramprof.pipeline.heap import HeapPolicy
-from tramprof.pipeline.naming import StackNamer
+from tramprof.pipeline.naming import ImageKey, StackNamer
 from tramprof.pipeline.stats import ProcessSamples, ProfilerStats
 from tramprof.procfs.events import open_event_source
 from tramprof.sampler.layout import Counter as BpfCounter
@@ -97,6 +98,42 @@ def unwind_modes(maps: ModeWriter, proc_root: str = "/proc",
                         ScanMode(maps, proc_root)], native)
 
 
+class Sighting(enum.Enum):
+    """What the unwinding modes must do with a process image (``ConsideredImages``)."""
+
+    SEEN = "seen"          # shown with these maps already, or older than the image shown
+    LOOK = "look"          # the process's first image shown, or its maps were re-read
+    REPLACED = "replaced"  # newer than the image shown: forget that one, then look
+
+
+class ConsideredImages:
+    """The image of each process the unwinding modes last looked at, and its
+    maps generation then. The modes follow a process's newest image only: an
+    exec or a reused pid voids what they installed for the image before, and
+    an older image still named in a drain (samples from before the exec) is
+    not shown to them again."""
+
+    def __init__(self) -> None:
+        self._shown: dict[int, tuple[int, int, int]] = {}  # pid -> (start, exec id, generation)
+
+    def sighting(self, key: ImageKey, generation: int) -> Sighting:
+        """Note that the image ``key`` has maps ``generation`` now."""
+        pid, start, exec_id = key
+        shown = self._shown.get(pid)
+        now = (start, exec_id, generation)
+        if shown is None:
+            self._shown[pid] = now
+            return Sighting.LOOK
+        if now[:2] < shown[:2] or now == shown:
+            return Sighting.SEEN
+        self._shown[pid] = now
+        return Sighting.LOOK if now[:2] == shown[:2] else Sighting.REPLACED
+
+    def forget_exited(self, live: set[int]) -> None:
+        for pid in [p for p in self._shown if p not in live]:
+            del self._shown[pid]
+
+
 class ProcessErrors:
     """The per-process error boundary: counts by stage, one log line per
     process and stage, and a back-off during which the process is skipped."""
@@ -161,8 +198,7 @@ class Profiler:
         self._process_names: dict[int, str] = {}  # pid -> process label, for the duty gauges
         self.errors = ProcessErrors()
         self.injector = AutoInjector(config)  # inject_* settings; off by default
-        # pid -> the maps generation its unwinding modes last looked at.
-        self._considered: dict[int, int] = {}
+        self._considered = ConsideredImages()
         self.namer = StackNamer(self.registry, self.unwinders.arenas, self.kernel.resolve,
                                 self.stats.symbolization_failures)
         self._next_mode_refresh = float("-inf")  # monotonic seconds
@@ -225,7 +261,7 @@ class Profiler:
             with self.errors.boundary(tgid, "new_process", partial(self._drop, tgid)):
                 image = self.registry.warm(tgid, start, exec_id)
                 if image is not None:
-                    self._consider(tgid, image)
+                    self._consider((tgid, start, exec_id), image)
             self.injector.offer(tgid, start, exec_id)
         self._look_again(self.injector.take_injected())
         events = self.events.read_events()
@@ -238,14 +274,20 @@ class Profiler:
         self.registry.defer(events)
         return resynced
 
-    def _consider(self, pid: int, image: ProcessImage) -> None:
-        """Let the modes look at a process whose maps they have not seen yet:
-        first sampled, or re-read since (it loaded a runtime, made arenas)."""
+    def _consider(self, key: ImageKey, image: ProcessImage) -> None:
+        """Let the modes look at a process image whose maps they have not seen
+        yet: first sampled, re-read since (it loaded a runtime, made arenas),
+        or new (it replaced the image they saw)."""
         symbolizer = image.symbolizer
-        if symbolizer is None or self._considered.get(pid) == symbolizer.maps_generation:
+        if symbolizer is None:
             return
-        mappings = symbolizer.mappings
-        self._considered[pid] = symbolizer.maps_generation
+        mappings = symbolizer.mappings  # read now if they never were
+        sighting = self._considered.sighting(key, symbolizer.maps_generation)
+        if sighting is Sighting.SEEN:
+            return
+        pid = key[0]
+        if sighting is Sighting.REPLACED:
+            self.unwinders.forget(pid)
         self.unwinders.consider(pid, mappings)
 
     def _look_again(self, images: list[tuple[int, int, int]]) -> None:
@@ -256,7 +298,7 @@ class Profiler:
                 image = self.registry.warm(tgid, start, exec_id)
                 if image is not None and image.symbolizer is not None:
                     image.symbolizer.reload_maps()
-                    self._consider(tgid, image)
+                    self._consider((tgid, start, exec_id), image)
 
     def _drop(self, pid: int) -> None:
         """Roll back what the modes installed for a process that failed."""
@@ -276,8 +318,7 @@ class Profiler:
     def _refresh_modes_now(self, full: bool) -> None:
         live = {identity.pid for identity in self.registry.identities()}
         self.errors.forget_exited(live)
-        for pid in [p for p in self._considered if p not in live]:
-            del self._considered[pid]
+        self._considered.forget_exited(live)
         healthy = live - self.errors.backing_off_among(live)
         for pid in live - healthy:
             self.unwinders.forget(pid)
@@ -309,11 +350,12 @@ class Profiler:
                     self.stats.symbolization_failures["internal_error"] += sample.count
                     log.exception("cannot symbolize a sample of pid %d", sample.tgid)
             del samples
-            for pid, image in self.namer.end_drain().items():
+            for key, image in self.namer.end_drain():
+                pid = key[0]
                 if not self.errors.backing_off(pid):
                     with self.errors.boundary(pid, "unwind_consider",
                                               partial(self._drop, pid)):
-                        self._consider(pid, image)
+                        self._consider(key, image)
             # The modes are refreshed below, once the pending events are applied.
             resynced = self._handle_process_events()
             self.registry.apply_pending()
