@@ -81,3 +81,19 @@ def test_complete_native_walk_needs_no_gap_marker():
                trampoline_frames=((0x9050, 0x200),), user_flags=0, kernel_ips=())
     frames = stack_frames(s, STUB_NAMES.__getitem__, KERNEL.get, failures, Stubs())
     assert frames == ("py::inner:a.py", "interp_call", "leaf_c")
+
+
+def test_only_frames_inside_an_arena_are_dropped_as_stub_frames():
+    """Two arenas with native code between them: a return address in the gap,
+    or one byte past an arena, is a native frame; the first and last byte of
+    an arena are stub frames (their trampoline frames stand in)."""
+    stubs = Arenas([(0x9000, 0xA000), (0xC000, 0xD000)])
+    names = {0x9000: "py::a:a.py", 0xC000: "py::c:c.py", 0xB000: "gap_code",
+             0xA000: "past_a", 0x4000: "leaf"}
+    # Return addresses are looked up one byte back: 0x9001 -> 0x9000 (first
+    # byte of an arena), 0xD000 -> 0xCFFF (its last), 0xA001 -> 0xA000 (past it).
+    s = sample(user_frames=((0x4000, 0x100), (0x9001, 0x110), (0xB001, 0x120),
+                            (0xA001, 0x130), (0xD000, 0x140)),
+               trampoline_frames=((0x9000, 0x118), (0xC000, 0x148)), kernel_ips=())
+    frames = stack_frames(s, names.__getitem__, KERNEL.get, Counter(), stubs)
+    assert frames == ("py::c:c.py", "past_a", "gap_code", "py::a:a.py", "leaf")
