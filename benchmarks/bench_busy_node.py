@@ -23,7 +23,8 @@ refilled at the new frequency first): over a
 steady window, its CPU (utime+stime of it and its children, % of one core;
 and of its main thread alone, the one that drains), each drain's duration
 (``tramprof_drain_duration_seconds``: the drain and symbolization, not the
-series update after it; read from whole ``/metrics`` scrapes every
+series update after it, and ``tramprof_drain_cpu_seconds``, the part of it
+the drain ran rather than waited for a CPU; read from whole ``/metrics`` scrapes every
 ``--scrape-interval`` seconds, as the shipped Prometheus configuration scrapes,
 and nothing else asks the daemon for anything in the window), RSS (steady
 VmRSS at the window's end and how fast it grew over the window, peak
@@ -303,6 +304,7 @@ class Result:
     host_busy_cpus: float = 0.0
     run_queue: list[int] = field(default_factory=list)
     drains_ms: list[float] = field(default_factory=list)
+    drains_cpu_ms: list[float] = field(default_factory=list)  # the same drains' own CPU
     unique_stacks: list[int] = field(default_factory=list)
     window_samples: list[int] = field(default_factory=list)
     rss_peak: float = 0.0
@@ -371,7 +373,9 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     results = [Result(frequency, daemon.label) for daemon in daemons]
     before = [daemon.metrics("tramprof_perf_events_total", "tramprof_stacks_named_total")
               for daemon in daemons]
-    drains: list[dict[float, float]] = [{} for _ in daemons]
+    # drains done -> the last one's (wall, CPU) seconds; CPU None from a
+    # build that does not export it
+    drains: list[dict[float, tuple[float, float | None]]] = [{} for _ in daemons]
     main0 = [daemon.helper_threads_cpu(main=True) for daemon in daemons]
     rss0 = [daemon.status("VmRSS") for daemon in daemons]
     cpu0 = [daemon.cpu_with_children() for daemon in daemons]
@@ -389,8 +393,9 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
         next_scrape += args.scrape_interval
         for at in order:
             metrics = daemons[at].metrics(gzip_body=True)
-            drains[at][metrics[("tramprof_drains_total", ())]] = \
-                metrics[("tramprof_drain_duration_seconds", ())]
+            drains[at][metrics[("tramprof_drains_total", ())]] = (
+                metrics[("tramprof_drain_duration_seconds", ())],
+                metrics.get(("tramprof_drain_cpu_seconds", ())))
         order.reverse()
         run_queue.append(runnable())
     cpu1 = [daemon.cpu_with_children() for daemon in daemons]
@@ -411,7 +416,8 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
 
 
 def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seconds: float,
-            cpu: float, main_cpu: float, rss0: float, drains: dict[float, float],
+            cpu: float, main_cpu: float, rss0: float,
+            drains: dict[float, tuple[float, float | None]],
             before: dict[tuple[str, tuple[tuple[str, str], ...]], float],
             after: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> Result:
     """The rest of one daemon's figures, after the window: memory, counters,
@@ -420,7 +426,9 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
     result.cpu_percent = cpu / seconds * 100
     result.main_cpu_percent = main_cpu / seconds * 100
     first = min(drains)  # may have drained before the window began
-    result.drains_ms = [v * 1e3 for k, v in drains.items() if k > first]
+    measured = [v for k, v in drains.items() if k > first]
+    result.drains_ms = [wall * 1e3 for wall, _cpu in measured]
+    result.drains_cpu_ms = [cpu * 1e3 for _wall, cpu in measured if cpu is not None]
     result.rss_growth = (result.rss_steady - rss0) / seconds * 60
     events = {dict(k[1]).get("outcome"): v for k, v in after.items()
               if k[0] == "tramprof_perf_events_total"}
@@ -541,6 +549,9 @@ def report(results: list[Result]) -> None:
         f"99 Hz target <= {t['drain_ms']:.0f} ms "
         f"({mark(percentile(r99.drains_ms, 0.99) <= t['drain_ms'])})"
         if r99 and r99.drains_ms else "")
+    row("  of it the drain's own CPU, ms p50 / p99",
+        [f"{median(r.drains_cpu_ms):.0f} / {percentile(r.drains_cpu_ms, 0.99):.0f}"
+         if r.drains_cpu_ms else "n/a" for r in results])
     row("drains measured", [str(len(r.drains_ms)) for r in results])
     row("distinct folded stacks / window",
         [" ".join(str(n) for n in r.unique_stacks) for r in results])

@@ -149,6 +149,10 @@ def test_samples_per_process_and_clean_stop(daemon, targets, start_target):
     assert 0.5 * 199 <= rate <= 1.25 * 199, rate
     for reason in ("counts_map_full", "user_stacks_map_full", "user_stack_collision"):
         assert value(last, "tramprof_lost_samples_total", reason=reason) == 0
+    # The drain's own CPU, of one thread, cannot exceed its wall time.
+    wall, cpu = (value(last, "tramprof_drain_duration_seconds"),
+                 value(last, "tramprof_drain_cpu_seconds"))
+    assert 0 < cpu <= wall + 1e-3, (cpu, wall)
     assert d.get("/healthz").strip() == "ok"
     _check_profiles(d, target.pid)
     objects = bpf_objects_of(d.proc.pid)

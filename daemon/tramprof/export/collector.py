@@ -98,6 +98,7 @@ class ProfilerCollector(Collector):
 
         yield _single(fam.DRAINS, stats.drains)
         yield _single(fam.DRAIN_SECONDS, stats.last_drain_seconds)
+        yield _single(fam.DRAIN_CPU_SECONDS, stats.last_drain_cpu_seconds)
 
         yield from _jit_families(stats)
 

@@ -74,6 +74,10 @@ DRAINS = Family(
 DRAIN_SECONDS = Family(
     "tramprof_drain_duration_seconds", "gauge", (),
     "Wall time of the last drain, symbolization included.")
+DRAIN_CPU_SECONDS = Family(
+    "tramprof_drain_cpu_seconds", "gauge", (),
+    "CPU time of the last drain (its thread's), symbolization included: the wall time "
+    "less what the drain waited for a CPU.")
 BPF_RUN_SECONDS = Family(
     "tramprof_bpf_run_time_seconds", "counter", (),
     "CPU time spent in the sampling BPF program (kernel BPF statistics).")
@@ -259,8 +263,8 @@ PYTHON_OVERHEAD = Family(
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
     KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS,
-    NEW_PROCESS_EVENTS_LOST, DRAINS,
-    DRAIN_SECONDS, BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
+    NEW_PROCESS_EVENTS_LOST, DRAINS, DRAIN_SECONDS, DRAIN_CPU_SECONDS,
+    BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
     JIT_RECORDS_DROPPED, JIT_BYTES_READ, UNWIND_SAMPLES, PYTHON_FRAMES_TRUNCATED,
     CHAIN_INVALID, SCAN_STALE, SCAN_WINDOWS_EXHAUSTED, SCAN_OVERFLOWS, SCAN_REFUSALS,
     UNWIND_REFUSALS, UNWIND_TABLE_BYTES, UNWIND_TABLE_OBJECTS, UNWIND_TABLE_ROWS,

@@ -332,7 +332,7 @@ class Profiler:
 
     def collect(self) -> list[Stack]:
         """Drain the kernel buffers and return this interval's named stacks."""
-        began = time.monotonic()
+        began, cpu_began = time.monotonic(), time.thread_time()
         # Collector paused throughout, the heap frozen at the end: what the
         # drain made is never walked by the collector (pipeline.heap).
         with gc_paused():
@@ -365,11 +365,11 @@ class Profiler:
                 self.registry.resync()
                 self._next_resync = time.monotonic() + RESYNC_SECONDS
             self._refresh_modes(full=True)
-            self._update_stats(stacks, began)
+            self._update_stats(stacks, began, cpu_began)
             self.heap.after_drain()
         return stacks
 
-    def _update_stats(self, stacks: list[Stack], began: float) -> None:
+    def _update_stats(self, stacks: list[Stack], began: float, cpu_began: float) -> None:
         self.stats.samples_by_process.add((stack.process, stack.count) for stack in stacks)
         bpf = self.sampler.counters()
         self.stats.bpf_counters = bpf
@@ -388,6 +388,7 @@ class Profiler:
         self.stats.python_duty = self._python_duty(stacks)
         self.stats.drains += 1
         self.stats.last_drain_seconds = time.monotonic() - began
+        self.stats.last_drain_cpu_seconds = time.thread_time() - cpu_began
         self.stats.symbol_memory_bytes = self.registry.enforce_memory_budget(
             self.config.symbol_memory_bytes)
         self.stats.symbol_evictions = self.registry.jit_evictions

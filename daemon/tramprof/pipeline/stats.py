@@ -66,6 +66,7 @@ class ProfilerStats:
     new_process_events_lost: int = 0
     drains: int = 0
     last_drain_seconds: float = 0.0
+    last_drain_cpu_seconds: float = 0.0  # the drain thread's CPU time in it
     bpf_run_time_ns: int | None = None
     bpf_run_count: int | None = None
     jit_counters: Counter[tuple[str, str]] = field(default_factory=Counter)
