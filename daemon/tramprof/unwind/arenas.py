@@ -57,17 +57,6 @@ class Arenas:
         return self._ranges
 
     @property
-    def starts(self) -> list[int]:
-        """The arenas' starts, ascending, for a search inlined where it runs
-        for every frame (not to be changed)."""
-        return self._starts
-
-    @property
-    def ends(self) -> list[int]:
-        """The arenas' ends, in the order of ``starts`` (not to be changed)."""
-        return self._ends
-
-    @property
     def bounds(self) -> tuple[int, int]:
         """``[start, end)`` around every arena (empty: ``(0, 0)``): a test
         that rules out most addresses without a search."""

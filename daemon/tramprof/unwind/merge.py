@@ -9,7 +9,6 @@ names the caller; trampoline frames are stub starts, looked up as they are.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from operator import itemgetter
 from typing import cast
 
@@ -42,12 +41,9 @@ def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
     if not sample.trampoline_frames or stubs is None:
         # The table walk stopped at code it has no rule for: say so at the root.
         return [*lookups, NATIVE_GAP] if stopped else lookups
-    # ``addr not in stubs``, inlined: it runs for every frame of every stack
-    # (the method call per frame in the arenas' bounds was half the merge).
-    (low, high), starts, ends = stubs.bounds, stubs.starts, stubs.ends
+    low, high = stubs.bounds
     native = [(sp, addr) for (_ip, sp), addr in zip(frames, pcs, strict=True)
-              if not low <= addr < high
-              or (at := bisect_right(starts, addr)) == 0 or addr >= ends[at - 1]]
+              if not low <= addr < high or addr not in stubs]
     reached = native[-1][0] if native else 0
     incomplete = stopped or bool(sample.user_flags & layout.USTACK_FAULT)
     merged = native + [(sp, ip) for ip, sp in sample.trampoline_frames]
