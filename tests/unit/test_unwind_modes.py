@@ -128,7 +128,8 @@ def test_scan_mode_learns_installs_and_follows_new_arenas(tmp_path):
     assert (PID, b"scan_procs") not in maps.state and not scan.unwinds(PID)
 
 
-def test_scan_mode_refuses_an_arena_whose_copies_differ(tmp_path):
+def refused_scan(tmp_path: Path) -> tuple[Path, RecordingMaps, ScanMode]:
+    """A process whose one arena has a patched stub copy, considered once."""
     proc = fake_proc(tmp_path, [ARENA], [ARENA, ARENA + 0x20], [ARENA])
     with open(proc / str(PID) / "mem", "r+b") as mem:
         mem.seek(ARENA + 0x400)
@@ -136,10 +137,31 @@ def test_scan_mode_refuses_an_arena_whose_copies_differ(tmp_path):
     maps = RecordingMaps()
     scan = ScanMode(maps, str(proc))
     scan.consider(PID, mappings(proc))
+    return proc, maps, scan
+
+
+def test_scan_mode_refuses_an_arena_whose_copies_differ(tmp_path):
+    _proc, maps, scan = refused_scan(tmp_path)
     assert not scan.unwinds(PID) and not scan.unwound() and not maps.state
     assert scan.errors() == {"arena_bytes": 1}
     report = scan.report(PID)
     assert report.mode == FP and "arena_bytes" in report.detail and report.problem
+
+
+def test_a_refusal_holds_until_the_process_is_forgotten(tmp_path):
+    """New maps of a refused process are not verified again; an exec (the
+    profiler forgets the old image) is: its arenas are new code."""
+    proc, _maps, scan = refused_scan(tmp_path)
+    scan.consider(PID, mappings(proc))  # its maps changed
+    scan.refresh({PID})
+    assert not scan.unwinds(PID) and scan.errors() == {"arena_bytes": 1}
+
+    fake_proc(tmp_path / "exec", [ARENA], [ARENA, ARENA + 0x20], [ARENA])
+    os.replace(tmp_path / "exec" / "proc" / str(PID) / "mem", proc / str(PID) / "mem")
+    scan.forget(PID)
+    scan.consider(PID, mappings(proc))
+    assert scan.unwinds(PID) and scan.report(PID).mode == "scan"
+    assert scan.errors() == {"arena_bytes": 1}
 
 
 def test_scan_mode_refuses_a_fifo_at_the_perf_map_path_without_blocking(tmp_path):

@@ -178,6 +178,10 @@ class ScanMode:
         return bool(self._newcomers)
 
     def forget(self, pid: int) -> None:
+        # A refusal holds for the image that earned it: forgotten (the
+        # process exec'd, or failed elsewhere and backed off), it is looked
+        # at afresh when next considered. ``_refuse`` records after this.
+        self._refused.pop(pid, None)
         self._newcomers.discard(pid)
         self._candidates.pop(pid, None)
         if self._procs.pop(pid, None) is not None:
