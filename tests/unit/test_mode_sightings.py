@@ -50,3 +50,12 @@ def test_exited_processes_are_forgotten() -> None:
     images.forget_exited({PID + 1})
     assert images.sighting((PID, 100, 0), 1) is Sighting.LOOK
     assert images.sighting((PID + 1, 100, 0), 1) is Sighting.SEEN
+
+
+def test_a_process_the_modes_dropped_is_shown_again() -> None:
+    """A process that failed and backed off: its image, sampled again with
+    the same maps, is looked at afresh."""
+    images = ConsideredImages()
+    assert images.sighting((PID, 100, 0), 1) is Sighting.LOOK
+    images.forget(PID)
+    assert images.sighting((PID, 100, 0), 1) is Sighting.LOOK

@@ -129,6 +129,10 @@ class ConsideredImages:
         self._shown[pid] = now
         return Sighting.LOOK if now[:2] == shown[:2] else Sighting.REPLACED
 
+    def forget(self, pid: int) -> None:
+        """The modes dropped the process: its next image sighting is a LOOK."""
+        self._shown.pop(pid, None)
+
     def forget_exited(self, live: set[int]) -> None:
         for pid in [p for p in self._shown if p not in live]:
             del self._shown[pid]
@@ -301,8 +305,11 @@ class Profiler:
                     self._consider((tgid, start, exec_id), image)
 
     def _drop(self, pid: int) -> None:
-        """Roll back what the modes installed for a process that failed."""
+        """Roll back what the modes installed for a process that failed (or
+        backs off after failing): once it is sampled again after the
+        back-off, they are shown it afresh."""
         self.unwinders.forget(pid)
+        self._considered.forget(pid)
 
     def _refresh_modes(self, full: bool) -> None:
         """Refresh the unwinding modes: ``full`` after a drain or a resync,
@@ -321,7 +328,7 @@ class Profiler:
         self._considered.forget_exited(live)
         healthy = live - self.errors.backing_off_among(live)
         for pid in live - healthy:
-            self.unwinders.forget(pid)
+            self._drop(pid)
         try:
             self.unwinders.refresh(healthy, full)
         except Exception:
