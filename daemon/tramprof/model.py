@@ -57,7 +57,11 @@ class RawSample:
     start_boottime_ns: int
     exec_id: int
     comm: str
-    user_frames: tuple[tuple[int, int], ...]  # (ip, stack address), leaf first
+    # The native frames, leaf first: each one's ip and, at the same index,
+    # its stack address. Two flat tuples, not a pair a frame: made and freed
+    # again at every drain, a 60-frame stack cost 9 us as pairs, 3 us so.
+    user_ips: tuple[int, ...]
+    user_sps: tuple[int, ...]
     user_flags: int  # USTACK_* / CHAIN_* / SCAN_* bits of sampler.layout
     kernel_ips: tuple[int, ...]  # leaf first
     # Trampoline frames recovered by a chain walk or a stack scan, innermost

@@ -96,7 +96,7 @@ def test_a_user_stack_is_decoded_from_its_bytes_as_its_fields_say():
     for i in range(2):
         stack.tramp[i] = bpf_layout.Frame(0x2000 + i, 0x8000 + i)
     assert decode_user_stack(memoryview(bytes(stack))) == (
-        ((0x1000, 0x7000), (0x1001, 0x7001), (0x1002, 0x7002)),
+        (0x1000, 0x1001, 0x1002), (0x7000, 0x7001, 0x7002),
         ((0x2000, 0x8000), (0x2001, 0x8001)),
         bpf_layout.USTACK_TRUNCATED, 0xdead)
 
@@ -104,5 +104,6 @@ def test_a_user_stack_is_decoded_from_its_bytes_as_its_fields_say():
     assert decode_user_stack_key(bytes(key)) == (0x1234_5678_9ABC_DEF0, 1)
 
     stack.nr, stack.nr_tramp = 1000, 1000  # a count the arrays cannot hold
-    frames, tramp, _flags, _check = decode_user_stack(memoryview(bytes(stack)))
-    assert (len(frames), len(tramp)) == (bpf_layout.MAX_FRAMES, bpf_layout.MAX_TRAMP)
+    ips, sps, tramp, _flags, _check = decode_user_stack(memoryview(bytes(stack)))
+    assert (len(ips), len(sps), len(tramp)) == (bpf_layout.MAX_FRAMES, bpf_layout.MAX_FRAMES,
+                                                bpf_layout.MAX_TRAMP)

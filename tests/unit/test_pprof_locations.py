@@ -45,6 +45,10 @@ def sample(**kw) -> RawSample:
                 user_flags=0, kernel_ips=(0xffff0010, 0xffff0020), kernel_error=0,
                 trampoline_frames=(), count=3)
     base.update(kw)
+    # Written as (ip, stack address) pairs, leaf first.
+    frames = base.pop("user_frames")
+    base["user_ips"] = tuple(ip for ip, _sp in frames)
+    base["user_sps"] = tuple(sp for _ip, sp in frames)
     return RawSample(**base)
 
 

@@ -35,9 +35,9 @@ class Images:
 def sample(*ips: int, stack_id: tuple[int, int] = (11, 12), kernel=(), count: int = 1,
            tramp: tuple[tuple[int, int], ...] = (), flags: int = 0) -> RawSample:
     """Leaf first: the leaf's address is looked up as it is, callers' one byte back."""
-    frames = tuple((ip, 0x7FFF_0000 + 0x100 * i) for i, ip in enumerate(ips))
     return RawSample(tgid=PID, start_boottime_ns=5, exec_id=1, comm="worker",
-                     user_frames=frames, user_flags=flags, kernel_ips=tuple(kernel),
+                     user_ips=ips, user_sps=tuple(0x7FFF_0000 + 0x100 * i for i in range(len(ips))),
+                     user_flags=flags, kernel_ips=tuple(kernel),
                      trampoline_frames=tramp, kernel_error=0, count=count,
                      user_stack_id=stack_id)
 

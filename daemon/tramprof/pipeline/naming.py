@@ -78,7 +78,7 @@ class StackNamer:
 
     def name(self, sample: RawSample) -> Stack:
         """The sample as a named stack of its process."""
-        if not sample.user_frames:
+        if not sample.user_ips:
             frames, sources = named_frames(sample, None, self._kernel, self._failures)
             return Stack(pid=sample.tgid, process=sample.comm, comm=sample.comm,
                          frames=frames, count=sample.count, sources=sources)

@@ -22,10 +22,11 @@ NO_KSTACK = -1
 # User stacks read per system call: ~6 KiB each, so a chunk is ~400 KiB.
 USTACK_CHUNK = 64
 
-# (native frames, trampoline frames, flags, (hash, check)) of one stored user stack.
-_UserStack = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int,
+# (native ips, their stack addresses, trampoline frames, flags, (hash, check))
+# of one stored user stack.
+_UserStack = tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, int], ...], int,
                    tuple[int, int]]
-_NO_STACK: _UserStack = ((), (), layout.USTACK_FAULT, (0, 0))
+_NO_STACK: _UserStack = ((), (), (), layout.USTACK_FAULT, (0, 0))
 
 
 def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
@@ -46,12 +47,13 @@ def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
     comms: dict[bytes, str] = {}
     samples = []
     for _raw, (tgid, kstack_id, start, exec_id, ustack_hash, raw_comm, *_), count in entries:
-        user: tuple[tuple[int, int], ...] = ()
+        ips: tuple[int, ...] = ()
+        sps: tuple[int, ...] = ()
         tramp: tuple[tuple[int, int], ...] = ()
         flags = layout.USTACK_NO_USER
-        user_id = _NO_STACK[3]
+        user_id = _NO_STACK[4]
         if ustack_hash:
-            user, tramp, flags, user_id = user_stacks.get(ustack_hash, _NO_STACK)
+            ips, sps, tramp, flags, user_id = user_stacks.get(ustack_hash, _NO_STACK)
         kernel: tuple[int, ...] = ()
         kernel_error = 0
         if kstack_id >= 0:
@@ -65,8 +67,9 @@ def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
             comm = comms[raw_comm] = raw_comm.split(b"\0", 1)[0].decode(errors="replace")
         samples.append(RawSample(
             tgid=tgid, start_boottime_ns=start, exec_id=exec_id, comm=comm,
-            user_frames=user, user_flags=flags, kernel_ips=kernel, kernel_error=kernel_error,
-            trampoline_frames=tramp, count=count, user_stack_id=user_id))
+            user_ips=ips, user_sps=sps, user_flags=flags, kernel_ips=kernel,
+            kernel_error=kernel_error, trampoline_frames=tramp, count=count,
+            user_stack_id=user_id))
 
     counts.delete_raw([raw for raw, _key, _count in entries])
     # Every stored stack of this buffer, also one no count refers to (its
@@ -89,6 +92,13 @@ def _pairs(raw: memoryview, offset: int, count: int) -> tuple[tuple[int, int], .
     return tuple(zip(words[0::2], words[1::2], strict=True))
 
 
+def _columns(raw: memoryview, offset: int, count: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ips and the stack addresses of ``count`` (ip, sp) frames at
+    ``offset``, as two tuples (see ``RawSample.user_ips``)."""
+    words = raw[offset:offset + 16 * count].cast("Q")
+    return tuple(words[0::2]), tuple(words[1::2])
+
+
 _USTACK_KEY = struct.Struct("<QI")  # UserStackKey: hash, buffer
 # CountKey: SampleKey (tgid, kstack_id, start_boottime, exec_id, ustack_hash,
 # comm), buffer, pad; one unpack instead of a ctypes structure per entry.
@@ -109,8 +119,8 @@ def _read_user_stacks(table: Any, buffer: int) -> tuple[dict[int, _UserStack], l
         if stack_buffer != buffer:
             continue
         keys.append(raw_key)
-        user, tramp, flags, check = decode_user_stack(raw)
-        stacks[stack_hash] = (user, tramp, flags, (stack_hash, check))
+        ips, sps, tramp, flags, check = decode_user_stack(raw)
+        stacks[stack_hash] = (ips, sps, tramp, flags, (stack_hash, check))
     return stacks, keys
 
 
@@ -120,10 +130,10 @@ def decode_user_stack_key(raw: bytes) -> tuple[int, int]:
     return stack_hash, stack_buffer
 
 
-def decode_user_stack(raw: memoryview) -> tuple[tuple[tuple[int, int], ...],
+def decode_user_stack(raw: memoryview) -> tuple[tuple[int, ...], tuple[int, ...],
                                                  tuple[tuple[int, int], ...], int, int]:
-    """One ``UserStack`` value's frames, trampoline frames, flags and check
-    hash, from its bytes."""
+    """One ``UserStack`` value's native ips and their stack addresses,
+    trampoline frames, flags and check hash, from its bytes."""
     nr, flags, check, nr_tramp = _USTACK_HEAD.unpack_from(raw)
-    return (_pairs(raw, _FRAMES_AT, min(nr, layout.MAX_FRAMES)),
-            _pairs(raw, _TRAMP_AT, min(nr_tramp, layout.MAX_TRAMP)), flags, check)
+    ips, sps = _columns(raw, _FRAMES_AT, min(nr, layout.MAX_FRAMES))
+    return (ips, sps, _pairs(raw, _TRAMP_AT, min(nr_tramp, layout.MAX_TRAMP)), flags, check)

@@ -27,10 +27,10 @@ def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
     ``NATIVE_GAP`` marker says native frames are missing. A sample taken while
     the runtime's duty cycle had its hook off ends in ``PYTHON_PAUSED``.
     """
-    frames = sample.user_frames
-    pcs = [ip - 1 for ip, _sp in frames]
-    if frames:
-        pcs[0] = frames[0][0]  # the leaf's pc is not a return address
+    ips = sample.user_ips
+    pcs = [ip - 1 for ip in ips]
+    if ips:
+        pcs[0] = ips[0]  # the leaf's pc is not a return address
     lookups = cast(list[int | str], pcs)
     stopped = bool(sample.user_flags & layout.TABLE_STOP)
     if sample.user_flags & layout.PYTHON_PAUSED:
@@ -42,7 +42,7 @@ def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
         # The table walk stopped at code it has no rule for: say so at the root.
         return [*lookups, NATIVE_GAP] if stopped else lookups
     low, high = stubs.bounds
-    native = [(sp, addr) for (_ip, sp), addr in zip(frames, pcs, strict=True)
+    native = [(sp, addr) for sp, addr in zip(sample.user_sps, pcs, strict=True)
               if not low <= addr < high or addr not in stubs]
     reached = native[-1][0] if native else 0
     incomplete = stopped or bool(sample.user_flags & layout.USTACK_FAULT)
