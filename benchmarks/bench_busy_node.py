@@ -38,8 +38,11 @@ Run (root): ``.venv/bin/python benchmarks/bench_busy_node.py`` (about 12
 minutes; ``--tramprof`` measures another build, e.g. a checkout of an older
 revision). For before/after figures, ``--compare`` runs a second build side
 by side with the first, both measured in the same windows: on a shared
-machine, runs minutes apart differ by more than most changes (two copies of
-one build side by side agree within 0.05 points of a core).
+machine, runs minutes apart differ by more than most changes. Side by side,
+the two daemons can still record 10-15% different numbers of samples in one
+window (one build on both sides: 120 vs 102 a second) and the one started
+first tends to drain slower; the daemon's CPU per sample recorded
+(its CPU over the window's recorded samples) compares builds across that.
 """
 
 from __future__ import annotations
@@ -557,6 +560,9 @@ def report(results: list[Result]) -> None:
         [" ".join(str(n) for n in r.unique_stacks) for r in results])
     row("samples / window", [" ".join(str(n) for n in r.window_samples) for r in results])
     row("samples recorded / s", [f"{r.recorded_per_s:.0f}" for r in results])
+    row("daemon CPU per sample recorded, us",
+        [f"{r.cpu_percent / 100 / r.recorded_per_s * 1e6:.0f}" if r.recorded_per_s else "n/a"
+         for r in results])
     row("stacks found again (not named)", ["n/a" if r.stacks_reused is None
                                            else f"{r.stacks_reused:.1%}" for r in results])
     row("samples lost in window", [f"{r.lost:.0f}" for r in results])
