@@ -53,10 +53,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.exposition import gzip_accepted
 from prometheus_client.registry import CollectorRegistry
 
 from tramprof.config import parse_listen
+from tramprof.export.exposition import encode
 from tramprof.export.formats import FORMATS, IndexPage
 from tramprof.export.recorder import Recorder, RecordingFailed
 from tramprof.model import Profile
@@ -405,10 +406,10 @@ def _metrics(registry: CollectorRegistry, query: dict[str, list[str]], accept: s
              accept_encoding: str) -> _Response:
     """What prometheus-client's own exporters answer (``_bake_output``): the
     format the Accept header asks for, only the ``name[]`` families when
-    given, gzipped when the client takes gzip (Prometheus does)."""
-    encoder, content_type = choose_encoder(accept)
+    given, gzipped when the client takes gzip (Prometheus does); written by
+    ``export.exposition``."""
     source = registry.restricted_registry(query["name[]"]) if "name[]" in query else registry
-    body = encoder(source)
+    body, content_type = encode(source, accept)
     headers = {"Vary": "Accept, Accept-Encoding"}
     if gzip_accepted(accept_encoding):
         body = gzip.compress(body, compresslevel=METRICS_GZIP_LEVEL, mtime=0)

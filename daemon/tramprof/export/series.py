@@ -68,6 +68,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from tramprof.config import GROUP_LABELS
 from tramprof.export import families as fam
+from tramprof.export.exposition import LabelTexts, RenderedCounter
 from tramprof.procfs.metadata import ProcessMetadata
 
 if TYPE_CHECKING:
@@ -308,6 +309,9 @@ class SeriesTracker:
         self._stack_labels = (*base[:1], *self._extras, *base[1:])
         base = fam.FUNCTION_SAMPLES.labels
         self._function_labels = (*base[:1], *self._extras, *base[1:])
+        # Label text of the live series, rendered once (export.exposition).
+        self._stack_texts = LabelTexts(self._stack_labels)
+        self._function_texts = LabelTexts(self._function_labels)
 
     # ---------------------------------------------------------------- adding
 
@@ -570,10 +574,14 @@ class SeriesTracker:
         )
 
     def collect(self) -> Iterator[Metric]:
-        stacks, functions, dropped, series = self._empty_families()
-        add_stack = stacks.add_metric
-        add_function = functions.add_metric
+        dropped, series = self._empty_families()[2:]
         with self._lock:
+            # Filled under the lock, which also guards the label texts.
+            stacks = RenderedCounter(fam.STACK_SAMPLES.name, fam.STACK_SAMPLES.help,
+                                     self._stack_labels, self._stack_texts)
+            functions = RenderedCounter(fam.FUNCTION_SAMPLES.name, fam.FUNCTION_SAMPLES.help,
+                                        self._function_labels, self._function_texts)
+            add_stack, add_function = stacks.add, functions.add
             for group in self._groups.values():
                 base = group.labels
                 for label, s in group.stacks.items():
@@ -588,6 +596,8 @@ class SeriesTracker:
             for (family, reason), value in self._dropped.items():
                 dropped.add_metric((family, reason), value)
             stack_count, function_count = self._family_counts()
+            self._stack_texts.forget_unused()
+            self._function_texts.forget_unused()
         series.add_metric((_STACKS,), stack_count)
         series.add_metric((_FUNCTIONS,), function_count)
         yield stacks
