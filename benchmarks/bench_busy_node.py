@@ -28,7 +28,7 @@ the drain ran rather than waited for a CPU; read from whole ``/metrics`` scrapes
 ``--scrape-interval`` seconds, as the shipped Prometheus configuration scrapes,
 and nothing else asks the daemon for anything in the window), RSS (steady
 VmRSS at the window's end and how fast it grew over the window, peak
-VmHWM); then full ``/metrics`` scrape latency (gzip, as
+VmHWM); then full ``/metrics`` scrape latency (OpenMetrics and gzip, as
 Prometheus asks) and the distinct folded stacks of single drained windows.
 
 Every worker runs in one process group that is killed on exit, failure or
@@ -67,8 +67,18 @@ from typing import IO
 
 import busy_workloads
 from common import HERE, TRAMPROF, Daemon, free_port, install_trampolines, median
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
+# What Prometheus sends with a scrape by default: OpenMetrics first, gzip.
+PROMETHEUS_HEADERS = {
+    "Accept": "application/openmetrics-text;version=1.0.0;q=0.5,"
+              "application/openmetrics-text;version=0.0.1;q=0.4,"
+              "text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+    "Accept-Encoding": "gzip",
+}
 TARGETS = {99: {"cpu": 1.0, "drain_ms": 200.0, "rss_mib": 150.0}}
 FUNCTIONS = 300
 PERIOD_S = 0.25
@@ -202,13 +212,14 @@ class LoggedDaemon(Daemon):
         path = f"/metrics?{query}" if names else "/metrics"
         if gzip_body:
             request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
-                                             headers={"Accept-Encoding": "gzip"})
+                                             headers=PROMETHEUS_HEADERS)
             with urllib.request.urlopen(request, timeout=30) as response:
                 text = gzip.decompress(response.read()).decode()
+            families = openmetrics_families(text)
         else:
-            text = self.get(path)
+            families = text_string_to_metric_families(self.get(path))
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+                for family in families for s in family.samples}
 
     def status(self, key: str) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -384,7 +395,7 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     cpu0 = [daemon.cpu_with_children() for daemon in daemons]
     busy0, t0 = host_busy(), time.monotonic()
     # Scraped as the shipped Prometheus configuration does (whole /metrics,
-    # gzip, every --scrape-interval s); each scrape also tells the last
+    # OpenMetrics, gzip, every --scrape-interval s); each scrape also tells the last
     # drain's duration. Nothing else asks the daemons for anything meanwhile.
     # Side by side, the daemon scraped first alternates: neither is always
     # the one whose scrape meets the other's still running.
@@ -446,7 +457,7 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
     result.processes = after[("tramprof_processes", ())]
     for _ in range(args.scrapes):
         request = urllib.request.Request(f"http://127.0.0.1:{daemon.port}/metrics",
-                                         headers={"Accept-Encoding": "gzip"})
+                                         headers=PROMETHEUS_HEADERS)
         began = time.perf_counter()
         with urllib.request.urlopen(request, timeout=30) as response:
             body = response.read()
@@ -571,7 +582,7 @@ def report(results: list[Result]) -> None:
         if r99 else "")
     row("RSS peak (VmHWM) MiB", [f"{r.rss_peak:.1f}" for r in results])
     row("RSS growth in window MiB/min", [f"{r.rss_growth:+.1f}" for r in results])
-    row("/metrics ms p50 / p99 (gzip)", [f"{median(r.scrape_ms):.1f} / "
+    row("/metrics ms p50 / p99 (OM, gzip)", [f"{median(r.scrape_ms):.1f} / "
                                              f"{percentile(r.scrape_ms, 0.99):.1f}"
                                              for r in results])
     row("/metrics size (KiB, plain)", [f"{r.scrape_bytes / 1024:.0f}" for r in results])

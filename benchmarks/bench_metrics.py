@@ -1,11 +1,10 @@
 """/metrics latency, response size and process RSS at 1k and 10k series,
-plain and gzipped.
+plain, gzipped, and as Prometheus asks (OpenMetrics, gzipped).
 
 Each size runs in its own process (so RSS is that size's alone): a series
 tracker fed with synthetic stacks until it holds the wanted number of series,
-served by the daemon's HTTP server on loopback, scraped 30 times without and
-30 times with ``Accept-Encoding: gzip`` (alternating, as Prometheus would
-send it). At 10k series it also times gzip alone at levels 1, 6 and 9 on
+served by the daemon's HTTP server on loopback, scraped 30 times each way
+(``SCRAPES``, in turn). At 10k series it also times gzip alone at levels 1, 6 and 9 on
 that exposition (the server's level is ``METRICS_GZIP_LEVEL``).
 """
 
@@ -28,6 +27,17 @@ from tramprof.export.http import METRICS_GZIP_LEVEL, MetricsServer
 from tramprof.export.series import SeriesConfig, SeriesTracker
 from tramprof.model import Stack
 from tramprof.pipeline.stats import ProfilerStats
+
+# (name, request headers): plain text, gzipped text, and what Prometheus asks
+# by default (OpenMetrics first, gzip).
+SCRAPES = (
+    ("plain", {}),
+    ("gzip", {"Accept-Encoding": "gzip"}),
+    ("om+gzip", {"Accept-Encoding": "gzip",
+                 "Accept": "application/openmetrics-text;version=1.0.0;q=0.5,"
+                           "application/openmetrics-text;version=0.0.1;q=0.4,"
+                           "text/plain;version=0.0.4;q=0.3,*/*;q=0.2"}),
+)
 
 
 def synthetic_stacks(series: int) -> list[Stack]:
@@ -53,15 +63,15 @@ def child(series: int) -> None:
     server = MetricsServer("127.0.0.1:0", registry, lambda: (True, "ok"))
     server.start()
     url = f"http://127.0.0.1:{server.address[1]}/metrics"
-    times: dict[str, list[float]] = {"plain": [], "gzip": []}
+    times: dict[str, list[float]] = {kind: [] for kind, _headers in SCRAPES}
     sizes = {}
     for _ in range(30):
-        for kind, headers in (("plain", {}), ("gzip", {"Accept-Encoding": "gzip"})):
+        for kind, headers in SCRAPES:
             request = urllib.request.Request(url, headers=headers)
             began = time.perf_counter()
             with urllib.request.urlopen(request) as r:
                 sizes[kind] = len(r.read())
-                assert (r.headers.get("Content-Encoding") == "gzip") == (kind == "gzip")
+                assert (r.headers.get("Content-Encoding") == "gzip") == (kind != "plain")
             times[kind].append((time.perf_counter() - began) * 1000)
     server.close()
     status = Path("/proc/self/status").read_text().splitlines()
@@ -97,7 +107,7 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--child", str(series)],
                              capture_output=True, text=True, check=True).stdout
         r = json.loads(out)
-        for kind in ("plain", "gzip"):
+        for kind, _headers in SCRAPES:
             k = r[kind]
             print(f"{r['series']:>8} {kind:>8} {k['median_ms']:>10.1f} {k['p95_ms']:>8.1f} "
                   f"{k['bytes'] / 1024:>7.0f} {r['rss_mib']:>8.1f}")
