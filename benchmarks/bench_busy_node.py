@@ -40,9 +40,10 @@ revision). For before/after figures, ``--compare`` runs a second build side
 by side with the first, both measured in the same windows: on a shared
 machine, runs minutes apart differ by more than most changes. Side by side,
 the two daemons can still record 10-15% different numbers of samples in one
-window (one build on both sides: 120 vs 102 a second) and the one started
-first tends to drain slower; the daemon's CPU per sample recorded
-(its CPU over the window's recorded samples) compares builds across that.
+window (one build on both sides: 120 vs 102 a second), and in some runs the
+one started first drained ~10 ms slower; the daemon's CPU per sample
+recorded (its CPU over the window's recorded samples) compares builds
+across the first.
 """
 
 from __future__ import annotations
