@@ -559,28 +559,29 @@ class SeriesTracker:
             return self._used
 
     def describe(self) -> Iterator[Metric]:
-        yield from self._empty_families()
+        yield from self._sample_families()
+        yield from self._tally_families()
 
-    def _empty_families(self) -> tuple[CounterMetricFamily, CounterMetricFamily,
-                                       CounterMetricFamily, GaugeMetricFamily]:
-        return (
-            CounterMetricFamily(fam.STACK_SAMPLES.name, fam.STACK_SAMPLES.help,
-                                labels=self._stack_labels),
-            CounterMetricFamily(fam.FUNCTION_SAMPLES.name, fam.FUNCTION_SAMPLES.help,
-                                labels=self._function_labels),
-            CounterMetricFamily(fam.DROPPED_SERIES.name, fam.DROPPED_SERIES.help,
-                                labels=fam.DROPPED_SERIES.labels),
-            GaugeMetricFamily(fam.SERIES.name, fam.SERIES.help, labels=fam.SERIES.labels),
-        )
+    def _sample_families(self) -> tuple[RenderedCounter, RenderedCounter]:
+        """The stack and function families, empty; their sample lines are
+        written from the kept label texts (filled under the lock that guards
+        those)."""
+        return (RenderedCounter(fam.STACK_SAMPLES.name, fam.STACK_SAMPLES.help,
+                                self._stack_labels, self._stack_texts),
+                RenderedCounter(fam.FUNCTION_SAMPLES.name, fam.FUNCTION_SAMPLES.help,
+                                self._function_labels, self._function_texts))
+
+    @staticmethod
+    def _tally_families() -> tuple[CounterMetricFamily, GaugeMetricFamily]:
+        """The dropped-series and live-series families, empty."""
+        return (CounterMetricFamily(fam.DROPPED_SERIES.name, fam.DROPPED_SERIES.help,
+                                    labels=fam.DROPPED_SERIES.labels),
+                GaugeMetricFamily(fam.SERIES.name, fam.SERIES.help, labels=fam.SERIES.labels))
 
     def collect(self) -> Iterator[Metric]:
-        dropped, series = self._empty_families()[2:]
+        dropped, series = self._tally_families()
         with self._lock:
-            # Filled under the lock, which also guards the label texts.
-            stacks = RenderedCounter(fam.STACK_SAMPLES.name, fam.STACK_SAMPLES.help,
-                                     self._stack_labels, self._stack_texts)
-            functions = RenderedCounter(fam.FUNCTION_SAMPLES.name, fam.FUNCTION_SAMPLES.help,
-                                        self._function_labels, self._function_texts)
+            stacks, functions = self._sample_families()
             add_stack, add_function = stacks.add, functions.add
             for group in self._groups.values():
                 base = group.labels
