@@ -101,3 +101,17 @@ def test_only_frames_inside_an_arena_are_dropped_as_stub_frames():
                trampoline_frames=((0x9000, 0x118), (0xC000, 0x148)), kernel_ips=())
     frames = stack_frames(s, names.__getitem__, KERNEL.get, Counter(), stubs)
     assert frames == ("py::c:c.py", "past_a", "gap_code", "py::a:a.py", "leaf")
+
+
+def test_one_arena_drops_exactly_its_own_frames():
+    """With one arena the merge tests its bounds alone: its first and last
+    byte are stub frames, a byte either side of it native code."""
+    stubs = Arenas([(0x9000, 0xA000)])
+    names = {0x9000: "py::a:a.py", 0x8FFF: "before_a", 0xA000: "past_a", 0x4000: "leaf"}
+    # Looked up one byte back: 0x9001 -> 0x9000, 0xA000 -> 0x9FFF (stub frames),
+    # 0x9000 -> 0x8FFF, 0xA001 -> 0xA000 (native frames).
+    s = sample(user_frames=((0x4000, 0x100), (0x9001, 0x110), (0x9000, 0x120),
+                            (0xA000, 0x130), (0xA001, 0x140)),
+               trampoline_frames=((0x9000, 0x118),), kernel_ips=())
+    frames = stack_frames(s, names.__getitem__, KERNEL.get, Counter(), stubs)
+    assert frames == ("past_a", "before_a", "py::a:a.py", "leaf")

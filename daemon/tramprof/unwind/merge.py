@@ -42,14 +42,20 @@ def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
         # The table walk stopped at code it has no rule for: say so at the root.
         return [*lookups, NATIVE_GAP] if stopped else lookups
     low, high = stubs.bounds
-    native = [(sp, addr) for sp, addr in zip(sample.user_sps, pcs, strict=True)
-              if not low <= addr < high or addr not in stubs]
+    if len(stubs) == 1:
+        # The bounds are the one arena: no search (a process with up to
+        # 64 KiB of stubs has one, and a fifth of its frames are stubs').
+        native = [(sp, addr) for sp, addr in zip(sample.user_sps, pcs, strict=True)
+                  if not low <= addr < high]
+    else:
+        native = [(sp, addr) for sp, addr in zip(sample.user_sps, pcs, strict=True)
+                  if not low <= addr < high or addr not in stubs]
     reached = native[-1][0] if native else 0
     incomplete = stopped or bool(sample.user_flags & layout.USTACK_FAULT)
     merged = native + [(sp, ip) for ip, sp in sample.trampoline_frames]
     merged.sort(key=_STACK_ADDRESS)
     if not (incomplete and native):
-        return [addr for _sp, addr in merged]
+        return list(map(_ADDRESS, merged))
     out: list[int | str] = []
     gap_marked = False
     for sp, addr in merged:
@@ -61,6 +67,7 @@ def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
 
 
 _STACK_ADDRESS = itemgetter(0)
+_ADDRESS = itemgetter(1)
 
 
 def is_truncated(sample: RawSample) -> bool:
