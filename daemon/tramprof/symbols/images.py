@@ -54,6 +54,10 @@ MAX_IMAGES = 2
 
 
 _Value = TypeVar("_Value")
+# A cached answer for one address: its name, and where its code is.
+_Answer = tuple[str, FrameSource]
+# One frame as named: a marker or an address outside code has no place.
+_Named = tuple[str, FrameSource | None]
 
 
 def _remember(cache: dict[int, _Value], addr: int, value: _Value) -> bool:
@@ -81,29 +85,30 @@ class ProcessImage:
 
     symbolizer: ProcessSymbolizer | None
     jit: JitSymbols | None = None
-    names: dict[int, str] = field(default_factory=dict)
-    jit_names: dict[int, str] = field(default_factory=dict)
+    # Address -> (name, where its code is): file-backed code in ``found``,
+    # named JIT code in ``jit_found``. Pairs, not a dictionary each: a stack
+    # is named with one lookup a frame in each. A place is one object per
+    # address, shared by every stored sample that has it.
+    found: dict[int, _Answer] = field(default_factory=dict)
+    jit_found: dict[int, _Answer] = field(default_factory=dict)
+    # Where unnamed JIT code is: kept for the same sharing, not an answer
+    # (an unnamed address is looked up again: its name may come).
+    jit_places: dict[int, FrameSource] = field(default_factory=dict)
     _jit_key: tuple[int, int] = (-1, -1)  # (JIT epoch, maps generation) of the jit_ caches
-    _files_key: int = 0  # the symbolizer's files_generation of names and sources
-    # Where frames' code is (see ``locate``): one object per address, shared
-    # by every stored sample that has it; file-backed in ``sources``, JIT
-    # code in ``jit_sources``.
-    sources: dict[int, FrameSource] = field(default_factory=dict)
-    jit_sources: dict[int, FrameSource] = field(default_factory=dict)
+    _files_key: int = 0  # the symbolizer's files_generation of ``found``
     mapped_files: dict[Mapping, MappedFile] = field(default_factory=dict)
     #: When a drain last named stacks with this image (monotonic seconds).
     last_used: float = 0.0
 
     def cached_addresses(self) -> int:
         """Addresses whose names and places are cached."""
-        return len(self.names) + len(self.jit_names)
+        return len(self.found) + len(self.jit_found) + len(self.jit_places)
 
     def forget_addresses(self) -> None:
         """Empty the address caches (they fill again as stacks are named)."""
-        self.names.clear()
-        self.sources.clear()
-        self.jit_names.clear()
-        self.jit_sources.clear()
+        self.found.clear()
+        self.jit_found.clear()
+        self.jit_places.clear()
         self.mapped_files.clear()
 
     def _validate_caches(self) -> ProcessSymbolizer | None:
@@ -114,14 +119,13 @@ class ProcessImage:
         if symbolizer.files_generation != self._files_key:
             # A file mapping went away: what was found by address is void.
             self._files_key = symbolizer.files_generation
-            self.names.clear()
-            self.sources.clear()
+            self.found.clear()
             self.mapped_files.clear()
         key = self._current_jit_key(symbolizer)
         if key != self._jit_key:
             self._jit_key = key
-            self.jit_names.clear()
-            self.jit_sources.clear()
+            self.jit_found.clear()
+            self.jit_places.clear()
         return symbolizer
 
     def _current_jit_key(self, symbolizer: ProcessSymbolizer) -> tuple[int, int]:
@@ -131,10 +135,10 @@ class ProcessImage:
                     ) -> tuple[list[str], list[FrameSource | None]]:
         """``lookup`` of every lookup address of one stack (markers, strings,
         pass through unlocated). A drain names tens of thousands of frames,
-        nearly all cached: those are found in two passes of dictionary
-        lookups, only the rest one by one. The stack is named with the caches
-        as they were when it began: a lookup that reads the JIT files or the
-        maps again counts from the next stack."""
+        nearly all cached: those are found by a pass of dictionary lookups
+        (two for JIT code), only the rest one by one. The stack is named with
+        the caches as they were when it began: a lookup that reads the JIT
+        files or the maps again counts from the next stack."""
         names, sources, _cached = self.name_frames_cached(addresses)
         return names, sources
 
@@ -146,29 +150,41 @@ class ProcessImage:
         was looked up: asked again, it may be answered otherwise)."""
         symbolizer = self._validate_caches()
         # Markers are looked up too, and miss.
-        names = list(map(cast("dict[int | str, str]", self.names).get, addresses))
-        sources = list(map(cast("dict[int | str, FrameSource]", self.sources).get, addresses))
-        if None not in names and None not in sources:
-            return cast(list[str], names), sources, 0
-        jit_names, jit_sources = self.jit_names, self.jit_sources
-        jit_hits, looked_up = 0, False
-        for at, addr in enumerate(addresses):
-            if names[at] is not None and sources[at] is not None:
-                continue
-            if isinstance(addr, str):
-                names[at] = addr
-                continue
-            name, source = jit_names.get(addr), jit_sources.get(addr)
-            if name is not None and source is not None:
-                jit_hits += 1
-            elif symbolizer is None:
-                name, source, looked_up = UNKNOWN, None, True
-            else:
-                name, source = self._look_up(symbolizer, addr)
-                looked_up = True
-            names[at], sources[at] = name, source
+        found = list(map(cast("dict[int | str, _Named]", self.found).get, addresses))
+        jit_hits = 0
+        if None in found:
+            # Two lookups a frame and one pass to take whichever answered,
+            # not a loop over the frames: stacks of Python under trampolines
+            # are half JIT code.
+            in_jit = map(cast("dict[int | str, _Named]", self.jit_found).get, addresses)
+            files_missed = found.count(None)
+            found = [answer or jit for answer, jit in zip(found, in_jit, strict=True)]
+            jit_hits = files_missed - found.count(None)
+        looked_up = False
+        if None in found:
+            at = found.index(None)
+            while True:
+                addr = addresses[at]
+                answer = None if isinstance(addr, str) else self.jit_found.get(addr)
+                if answer is not None:  # looked up for a frame before in this stack
+                    found[at] = answer
+                    jit_hits += 1
+                elif isinstance(addr, str):
+                    found[at] = (addr, None)
+                elif symbolizer is None:
+                    found[at], looked_up = (UNKNOWN, None), True
+                else:
+                    found[at], looked_up = self._look_up(symbolizer, addr), True
+                try:
+                    at = found.index(None, at + 1)
+                except ValueError:
+                    break
         self.count_jit_hits(jit_hits)
-        return cast(list[str], names), sources, None if looked_up else jit_hits
+        cached = None if looked_up else jit_hits
+        if not found:
+            return [], [], cached
+        names, sources = zip(*cast("list[_Named]", found), strict=True)
+        return list(names), list(sources), cached
 
     def naming_state(self) -> tuple[int, int, int]:
         """What the cached answers depend on: while it stays the same, the
@@ -196,16 +212,15 @@ class ProcessImage:
         (file, offsets, build id) and, for JIT code with jitdump debug info,
         its source file and line. Cached per address (see the class)."""
         symbolizer = self._validate_caches()
-        name, source = self.names.get(addr), self.sources.get(addr)
-        if name is not None and source is not None:
-            return name, source
+        answer = self.found.get(addr)
+        if answer is not None:
+            return answer
         if symbolizer is None:
             return UNKNOWN, None
-        name, source = self.jit_names.get(addr), self.jit_sources.get(addr)
-        if name is not None and source is not None:
-            if self.jit is not None:
-                self.jit.count_cached_hit()
-            return name, source
+        answer = self.jit_found.get(addr)
+        if answer is not None:
+            self.count_jit_hits(1)
+            return answer
         return self._look_up(symbolizer, addr)
 
     def _look_up(self, symbolizer: ProcessSymbolizer, addr: int
@@ -217,7 +232,7 @@ class ProcessImage:
             return name, None
         if mapping.is_anonymous:
             jit = self.jit
-            source = self.jit_sources.get(addr)  # cached even where unnamed
+            source = self.jit_places.get(addr)
             if source is None:
                 debug = jit.debug_info(addr) if jit is not None else None
                 source = FrameSource(addr) if debug is None else \
@@ -227,8 +242,9 @@ class ProcessImage:
                 # (a lookup that re-read them, or the maps, is cached from the
                 # next); a miss is not cached: it is counted, and looked up again.
                 if jit is not None and name != ANON:
-                    _remember(self.jit_names, addr, name)
-                _remember(self.jit_sources, addr, source)
+                    _remember(self.jit_found, addr, (name, source))
+                else:
+                    _remember(self.jit_places, addr, source)
             return name, source
         mapped = self.mapped_files.get(mapping)
         if mapped is None:
@@ -236,11 +252,9 @@ class ProcessImage:
                 mapping.display_path, mapping.start, mapping.end, mapping.offset,
                 symbolizer.build_id_of(mapping))
         source = FrameSource(addr, mapped)
-        if mapping.is_exec:
-            _remember(self.names, addr, name)
-            # Emptying a full cache also forgets the mappings the old sources shared.
-            if not _remember(self.sources, addr, source):
-                self.mapped_files.clear()
+        if mapping.is_exec and not _remember(self.found, addr, (name, source)):
+            # Emptying a full cache also forgets the mappings the old places shared.
+            self.mapped_files.clear()
         return name, source
 
 
