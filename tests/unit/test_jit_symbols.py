@@ -155,15 +155,16 @@ def test_memory_budget_evicts_the_least_recently_sampled_index(tmp_path):
     assert totals.counters[("perf_map", "lines_parsed")] == 400
 
 
-def jit_image(tmp_path: Path, pid: int, perf_map: str):
-    """A process image of a fake process with one anonymous executable
-    mapping and a perf map: (image, its JIT reader, perf map path, clock)."""
+def jit_image(tmp_path: Path, pid: int, perf_map: str, perms: str = "r-xp"):
+    """A process image of a fake process with one anonymous mapping
+    (executable unless ``perms`` say otherwise) and a perf map: (image, its
+    JIT reader, perf map path, clock)."""
     from tramprof.symbols.elf import ElfCache
     from tramprof.symbols.images import ProcessImage
     from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
 
     tmp = fake_process(tmp_path, pid, [pid])
-    (tmp_path / str(pid) / "maps").write_text("7000-9000 r-xp 00000000 00:00 0\n")
+    (tmp_path / str(pid) / "maps").write_text(f"7000-9000 {perms} 00000000 00:00 0\n")
     path = tmp / f"perf-{pid}.map"
     path.write_text(perf_map)
     clock = Clock()
@@ -194,6 +195,31 @@ def test_image_caches_jit_names_only_until_the_files_are_read_again(tmp_path):
     clock.now += 1.5
     assert image.resolve(0x8008) == "created_later"  # ...but on a miss, and then
     assert image.resolve(0x7008) == jit.perf_map.lookup(0x7008) == "recreated"
+
+
+def test_jit_code_the_maps_show_writable_is_named_from_the_perf_map(tmp_path):
+    """A JIT writes code into writable pages and makes them executable later
+    (V8 also flips them back to patch or move code), so maps read before show
+    code the samples ran in as writable. What the perf map names there is the
+    answer, cached as JIT code is; what it does not name stays not code."""
+    from tramprof.model import FrameSource
+
+    image, jit, _path, _clock = jit_image(tmp_path, 32, "7000 10 compiled\n", perms="rw-p")
+    assert image.symbolizer is not None
+    stats = image.symbolizer.stats
+    looked_up = []
+    lookup = jit.perf_map.lookup
+    jit.perf_map.lookup = lambda addr: looked_up.append(addr) or lookup(addr)  # type: ignore[method-assign]
+    assert image.name_frames([0x7008, 0x8008])[0] == ["compiled", "[unknown]"]
+    # From the stack after the one that read the perf map, a named address is
+    # cached (one object per address); the unnamed one is looked up each time.
+    names, sources = image.name_frames([0x7008, 0x8008, 0x7008])
+    assert names == ["compiled", "[unknown]", "compiled"]
+    assert sources[0] is sources[2] and sources[0] == FrameSource(0x7008)
+    assert sources[1] == FrameSource(0x8008)  # an address, in no mapping of code
+    assert image.name_frames([0x7008])[0] == ["compiled"]
+    assert looked_up == [0x7008, 0x8008, 0x7008, 0x8008]
+    assert stats.snapshot() == {"not_executable": 2}
 
 
 def test_image_names_a_whole_stack_as_one_lookup_at_a_time_would(tmp_path):

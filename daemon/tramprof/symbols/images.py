@@ -237,13 +237,15 @@ class ProcessImage:
                 debug = jit.debug_info(addr) if jit is not None else None
                 source = FrameSource(addr) if debug is None else \
                     FrameSource(addr, None, debug[0], debug[1])
-            if mapping.is_exec and self._current_jit_key(symbolizer) == self._jit_key:
+            if self._current_jit_key(symbolizer) == self._jit_key:
                 # Found with the JIT files as they were when this lookup began
                 # (a lookup that re-read them, or the maps, is cached from the
                 # next); a miss is not cached: it is counted, and looked up again.
-                if jit is not None and name != ANON:
+                # Memory the maps show writable is cached only where the JIT
+                # files named it (see ``ProcessSymbolizer.lookup``).
+                if jit is not None and name not in (ANON, UNKNOWN):
                     _remember(self.jit_found, addr, (name, source))
-                else:
+                elif mapping.is_exec:
                     _remember(self.jit_places, addr, source)
             return name, source
         mapped = self.mapped_files.get(mapping)

@@ -35,6 +35,10 @@ from tramprof.symbols.safeopen import Refusal, open_mapping, stat_mapped_object
 AnonResolver = Callable[[Mapping, int], str | None]
 
 
+class _ResolverFailed(Exception):
+    """The anonymous resolver raised (counted where it was called)."""
+
+
 #: x86-64 vdsos are 8 KiB; anything much larger is not one.
 MAX_VDSO_BYTES = 64 << 10
 UNKNOWN = "[unknown]"
@@ -281,6 +285,17 @@ class ProcessSymbolizer:
         if m.is_vdso:
             return self._resolve_vdso(m, addr), m
         if not m.is_exec:
+            # A JIT makes its new code pages executable once written (V8 also
+            # makes them writable again to patch or move code): maps read
+            # before show them writable. A sample ran there, so what the
+            # process's JIT files name there is the answer.
+            if m.is_anonymous:
+                try:
+                    name = self._jit_name(m, addr)
+                except _ResolverFailed:
+                    return UNKNOWN, m
+                if name is not None:
+                    return name, m
             self.stats.incr(FailureReason.NOT_EXECUTABLE)
             return UNKNOWN, m
         if m.is_anonymous:
@@ -404,13 +419,23 @@ class ProcessSymbolizer:
             return FailureReason.VDSO_UNREADABLE
 
     def _resolve_anon(self, m: Mapping, addr: int) -> str:
-        if self._anon_resolver is not None:
-            try:
-                name = self._anon_resolver(m, addr)
-            except Exception:  # foreign callback: it must not break profiling
-                self.stats.incr(FailureReason.ANON_RESOLVER_ERROR)
-                return ANON
-            if name:
-                return name
-        self.stats.incr(FailureReason.ANON_UNRESOLVED)
-        return ANON
+        try:
+            name = self._jit_name(m, addr)
+        except _ResolverFailed:
+            return ANON
+        if name is None:
+            self.stats.incr(FailureReason.ANON_UNRESOLVED)
+            return ANON
+        return name
+
+    def _jit_name(self, m: Mapping, addr: int) -> str | None:
+        """What the process's JIT files (the anonymous resolver) name at
+        ``addr`` in anonymous ``m``, if anything. A failing resolver is
+        counted and raises ``_ResolverFailed``."""
+        if self._anon_resolver is None:
+            return None
+        try:
+            return self._anon_resolver(m, addr) or None
+        except Exception as exc:  # foreign callback: it must not break profiling
+            self.stats.incr(FailureReason.ANON_RESOLVER_ERROR)
+            raise _ResolverFailed from exc
