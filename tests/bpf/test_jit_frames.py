@@ -30,6 +30,24 @@ def test_anonymous_code_is_named_from_the_perf_map(targets, start_target):
     assert exact / total >= 0.95, sorted(stacks.items(), key=lambda kv: -kv[1])[:4]
 
 
+def test_code_in_a_page_that_was_writable_when_first_seen_is_named(targets, start_target):
+    """A JIT's new code page is writable until the code is in it (V8 also
+    makes pages writable again to patch or move code): the maps read when
+    the process was first sampled show it rw-p. The code that runs there
+    later is named from the perf map, not [unknown]."""
+    # Native code for 5 s (record starts within them, and reads the maps at
+    # the first sample), then the JIT code, in the same page made executable.
+    target = start_target(str(targets / "jit"), "30", "late", "5")
+    target.go()
+    stacks = record(target.pid, 8)
+    total = sum(stacks.values())
+    jit = sum(count for stack, count in stacks.items()
+              if stack[-3:] == ("main", "jit_caller", JIT_NAME))
+    unknown = sum(count for stack, count in stacks.items() if "[unknown]" in stack)
+    assert total > 4000 and jit / total >= 0.25 and unknown <= total * 0.01, \
+        sorted(stacks.items(), key=lambda kv: -kv[1])[:4]
+
+
 def test_stale_map_of_an_earlier_process_names_nothing(targets, start_target):
     """A map left by an earlier process with the same pid (older than this
     process) must not name this process's code."""

@@ -1,8 +1,11 @@
 /* A tiny "JIT": copies a frame-pointer-keeping spin loop into anonymous
  * executable memory, names it in /tmp/perf-PID.map the way CPython does, and
  * calls it from main -> jit_caller in a loop for argv[1] seconds.
- * With argv[2] = "nomap" it writes no map. After printing "ready <address>"
- * it waits for a line on stdin (so a test can prepare files), then spins. */
+ * With argv[2] = "nomap" it writes no map. With argv[2] = "late" the code's
+ * page stays writable while it spins natively (native_spin) for argv[3]
+ * seconds first, as a JIT's new code page is writable until the code is in it.
+ * After printing "ready <address>" it waits for a line on stdin (so a test
+ * can prepare files), then spins. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +29,14 @@ __attribute__((noinline)) static double now(void)
     return ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
+__attribute__((noinline)) void native_spin(double until)
+{
+    volatile unsigned long x = 0;
+    while (now() < until)
+        for (int i = 0; i < 100000; i++)
+            x = x * 31 + i;
+}
+
 __attribute__((noinline)) void jit_caller(spin_fn fn, double until)
 {
     while (now() < until)
@@ -43,7 +54,8 @@ int main(int argc, char **argv)
         return 1;
     unsigned char *code = mem + 0x400;
     memcpy(code, spin_code, sizeof(spin_code));
-    if (mprotect(mem, 4096, PROT_READ | PROT_EXEC) != 0)
+    int late = argc > 2 && strcmp(argv[2], "late") == 0;
+    if (!late && mprotect(mem, 4096, PROT_READ | PROT_EXEC) != 0)
         return 1;
 
     int write_map = !(argc > 2 && strcmp(argv[2], "nomap") == 0);
@@ -63,7 +75,13 @@ int main(int argc, char **argv)
                 sizeof(spin_code));
         fclose(map);
     }
-    jit_caller((spin_fn)code, now() + seconds);
+    double until = now() + seconds;
+    if (late) {
+        native_spin(now() + (argc > 3 ? atof(argv[3]) : 1.0));
+        if (mprotect(mem, 4096, PROT_READ | PROT_EXEC) != 0)
+            return 1;
+    }
+    jit_caller((spin_fn)code, until);
     if (write_map)
         unlink(path);
     return 0;
