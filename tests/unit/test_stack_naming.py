@@ -182,3 +182,23 @@ def test_a_drain_reports_the_newest_image_each_process_was_named_with(tmp_path):
     assert [namer.name(s).frames for s in samples] == [("new",), ("old",)]
     assert namer.end_drain() == [((PID, 5, 2), after)]
     assert namer.end_drain() == []
+
+
+def test_a_process_gone_before_its_maps_were_read_is_one_marker(tmp_path):
+    """Seen alive, then gone before its maps could be read (a short-lived
+    process): its user frames are one "[process exited]" marker, counted
+    once per drain, not a column of "[unknown]" frames; kernel frames are
+    still named."""
+    from tramprof.symbols.elf import ElfCache
+    from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
+
+    (tmp_path / str(PID)).mkdir()  # no maps file: the process is gone
+    stats = SymbolizationStats()
+    image = ProcessImage(ProcessSymbolizer(PID, ElfCache(), stats, proc_root=str(tmp_path)))
+    namer, failures, _ = namer_for(image)
+    kernel = (0xFFFF_FFFF_8100_0010,)
+    assert drain(namer, [sample(0x7008, 0x7019, kernel=kernel),
+                         sample(0x7108, stack_id=(13, 14), kernel=kernel)]) == \
+        [("[process exited]", "do_syscall_64")] * 2
+    assert failures == Counter({"process_exited": 1})
+    assert stats.snapshot() == {}

@@ -103,6 +103,12 @@ class StackNamer:
         process, found = self._images.image(sample.tgid, sample.start_boottime_ns,
                                             sample.exec_id, sample.comm)
         stubs = self._arenas(sample.tgid)
+        if found is not None and found.symbolizer is not None and \
+                found.symbolizer.exited_unread():
+            # Seen alive, gone before its maps were read: one marker, not a
+            # column of [unknown] frames.
+            self._failures["process_exited"] += 1
+            found = None
         if found is None:
             return _Naming(key, process, None, stubs, None)
         newest = self._sampled.get(sample.tgid)

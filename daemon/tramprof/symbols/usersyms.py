@@ -189,6 +189,14 @@ class ProcessSymbolizer:
             self.reload_maps()
         return self._mappings
 
+    def exited_unread(self) -> bool:
+        """Whether the process exited before its maps could ever be read
+        (they are read now if they never were): then none of its frames can
+        be named."""
+        if self._maps_loaded_at is None:
+            self.reload_maps()
+        return self._maps_error is FailureReason.PROCESS_GONE and self.maps_generation == 0
+
     def reload_maps(self) -> None:
         """Re-read ``/proc/PID/maps``, dropping state of vanished mappings."""
         self._maps_loaded_at = time.monotonic()
