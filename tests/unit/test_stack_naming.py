@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+import pytest
 from tramprof.model import RawSample
 from tramprof.pipeline.naming import StackNamer
 from tramprof.pipeline.stackcache import StackCache
@@ -184,15 +185,20 @@ def test_a_drain_reports_the_newest_image_each_process_was_named_with(tmp_path):
     assert namer.end_drain() == []
 
 
-def test_a_process_gone_before_its_maps_were_read_is_one_marker(tmp_path):
+@pytest.mark.parametrize("maps", [None, ""], ids=["gone", "exiting"])
+def test_a_process_gone_before_its_maps_were_read_is_one_marker(tmp_path, maps):
     """Seen alive, then gone before its maps could be read (a short-lived
-    process): its user frames are one "[process exited]" marker, counted
-    once per drain, not a column of "[unknown]" frames; kernel frames are
-    still named."""
+    process), or exiting: its memory released, its maps empty while it is
+    not a zombie yet. Its user frames are one "[process exited]" marker,
+    counted once per drain, not a column of "[unknown]" frames; kernel
+    frames are still named."""
     from tramprof.symbols.elf import ElfCache
     from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
 
     (tmp_path / str(PID)).mkdir()  # no maps file: the process is gone
+    if maps is not None:
+        (tmp_path / str(PID) / "maps").write_text(maps)
+        (tmp_path / str(PID) / "stat").write_text(f"{PID} (shortjob) R 1 1 1 0 -1\n")
     stats = SymbolizationStats()
     image = ProcessImage(ProcessSymbolizer(PID, ElfCache(), stats, proc_root=str(tmp_path)))
     namer, failures, _ = namer_for(image)

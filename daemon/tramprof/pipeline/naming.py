@@ -105,8 +105,8 @@ class StackNamer:
         stubs = self._arenas(sample.tgid)
         if found is not None and found.symbolizer is not None and \
                 found.symbolizer.exited_unread():
-            # Seen alive, gone before its maps were read: one marker, not a
-            # column of [unknown] frames.
+            # Seen alive, gone (or its memory released) before its maps were
+            # read: one marker, not a column of [unknown] frames.
             self._failures["process_exited"] += 1
             found = None
         if found is None:

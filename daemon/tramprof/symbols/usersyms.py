@@ -190,12 +190,13 @@ class ProcessSymbolizer:
         return self._mappings
 
     def exited_unread(self) -> bool:
-        """Whether the process exited before its maps could ever be read
-        (they are read now if they never were): then none of its frames can
-        be named."""
+        """Whether the process exited before any of its maps could be read
+        (they are read now if they never were): gone, or its memory already
+        released (an exiting process shows empty maps before it is a
+        zombie). Then none of its user frames can be named."""
         if self._maps_loaded_at is None:
             self.reload_maps()
-        return self._maps_error is FailureReason.PROCESS_GONE and self.maps_generation == 0
+        return not self._mappings and self._maps_error in (None, FailureReason.PROCESS_GONE)
 
     def reload_maps(self) -> None:
         """Re-read ``/proc/PID/maps``, dropping state of vanished mappings."""
