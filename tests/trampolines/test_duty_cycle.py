@@ -71,6 +71,11 @@ ESTIMATE_RANGE = (0.6, 1.25)
 #: a CI machine a phase with the hook on 97% of the time lost 0.323 after an
 #: always-on phase lost 0.292 (every segment of each within 0.01 of its median).
 PHASE_SPREAD = 0.05
+#: How far a phase's baseline may sit from the always-on phase's, relative:
+#: 0.97-1.13 here. A CI run had one phase at 0.58 against 1.01 and 1.06 (its
+#: own two agreeing), and its loss off by 0.07: the host ran the workloads
+#: differently then, and such a phase is measured again.
+BASELINE_DRIFT = 0.25
 LEAVES = ("a_rec", "b_rec", "c_rec")
 #: Every Python function of the workload, outermost first.
 KNOWN = ("<module>", "work_loop", *LEAVES)
@@ -300,8 +305,17 @@ def _shares(phase: Phase) -> dict[str, float]:
 
 
 def test_budget_bounds_the_loss_and_keeps_the_profile(host_interp: Interp) -> None:
+    durations = {0.0: 60, 0.25: 40, 0.05: 60}
     phases = {budget: measured_phase(host_interp, budget, seconds)
-              for budget, seconds in ((0.0, 60), (0.25, 40), (0.05, 60))}
+              for budget, seconds in durations.items()}
+
+    def drifted() -> list[float]:
+        reference = phases[0.0].baseline
+        return [budget for budget, phase in phases.items()
+                if abs(phase.baseline / reference - 1) > BASELINE_DRIFT]
+
+    for budget in drifted():
+        phases[budget] = measured_phase(host_interp, budget, durations[budget])
     always, quarter, twentieth = phases[0.0], phases[0.25], phases[0.05]
     report = "; ".join(f"budget {b}: loss {p.loss:.3f} (baselines {p.baselines[0]:.3f} and "
                        f"{p.baselines[1]:.3f}, runs discarded {p.discarded}, segments "
@@ -320,6 +334,10 @@ def test_budget_bounds_the_loss_and_keeps_the_profile(host_interp: Interp) -> No
     if starved < 0.5:
         pytest.skip(f"machine too busy to measure losses: a workload got {starved:.0%} "
                     f"of a CPU ({report})")
+    if drifted():
+        pytest.skip(f"the host ran the workloads differently from phase to phase, measured "
+                    f"twice (baselines more than {BASELINE_DRIFT:.0%} apart): losses not "
+                    f"comparable ({report})")
     # The workload is call-heavy: the always-on runtime costs it far more
     # than the smaller budgets (Debian's 3.11: 20-30%).
     assert always.loss > 0.12, report
