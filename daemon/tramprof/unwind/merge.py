@@ -42,14 +42,8 @@ def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
         # The table walk stopped at code it has no rule for: say so at the root.
         return [*lookups, NATIVE_GAP] if stopped else lookups
     low, high = stubs.bounds
-    if len(stubs) == 1:
-        # The bounds are the one arena: no search (a process with up to
-        # 64 KiB of stubs has one, and a fifth of its frames are stubs').
-        native = [(sp, addr) for sp, addr in zip(sample.user_sps, pcs, strict=True)
-                  if not low <= addr < high]
-    else:
-        native = [(sp, addr) for sp, addr in zip(sample.user_sps, pcs, strict=True)
-                  if not low <= addr < high or addr not in stubs]
+    native = [(sp, addr) for sp, addr in zip(sample.user_sps, pcs, strict=True)
+              if not low <= addr < high or addr not in stubs]
     reached = native[-1][0] if native else 0
     incomplete = stopped or bool(sample.user_flags & layout.USTACK_FAULT)
     merged = native + [(sp, ip) for ip, sp in sample.trampoline_frames]
