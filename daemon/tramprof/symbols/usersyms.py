@@ -194,9 +194,7 @@ class ProcessSymbolizer:
         (they are read now if they never were): gone, or its memory already
         released (an exiting process shows empty maps before it is a
         zombie). Then none of its user frames can be named."""
-        if self._maps_loaded_at is None:
-            self.reload_maps()
-        return not self._mappings and self._maps_error in (None, FailureReason.PROCESS_GONE)
+        return not self.mappings and self._maps_error in (None, FailureReason.PROCESS_GONE)
 
     def reload_maps(self) -> None:
         """Re-read ``/proc/PID/maps``, dropping state of vanished mappings."""
