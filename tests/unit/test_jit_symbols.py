@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -105,6 +108,44 @@ def test_stale_file_from_an_earlier_process_is_skipped(tmp_path):
     assert jit.resolve(ANON, 0x7040) == "fresh_name"
     assert jit.resolve(ANON, 0x7000) is None
     assert jit.perf_map.stats.refused["stale"] >= 1
+
+
+@pytest.fixture
+def disk_dir() -> Iterator[Path]:
+    """A directory on a disk file system (/var/tmp; /tmp may be a tmpfs,
+    which never hands a freed inode number out again at once)."""
+    path = Path(tempfile.mkdtemp(prefix="tramprof-test-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("fresh_lines", [1, 4])
+def test_a_new_file_that_got_the_stale_files_inode_number_is_read_whole(disk_dir, fresh_lines):
+    """A runtime that replaces a stale file (unlink, then an exclusive
+    create, as the trampoline runtime does) makes a new file that ext4 gives
+    the freed inode number: none of its lines are the earlier process's,
+    whether it is shorter or longer than the stale one was."""
+    tmp = fake_process(disk_dir, 13, [13])
+    path = tmp / "perf-13.map"
+    path.write_text("".join(f"{0x9000 + 16 * i:x} 10 stale_{i}\n" for i in range(2)))
+    stale_inode = path.stat().st_ino
+    started_ns = time.time_ns() - boot_time_realtime_ns()
+    old = (time.time_ns() - 10 * MTIME_SLACK_NS) / 1e9
+    os.utime(path, (old, old))
+    clock = Clock()
+    jit = JitSymbols(13, started_ns, proc_root=str(disk_dir), clock=clock)
+    assert jit.resolve(ANON, 0x7000) is None
+    assert jit.report()[0].refused == "stale"
+    path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, "".join(f"{0x7000 + 16 * i:x} 10 fresh_{i}\n"
+                         for i in range(fresh_lines)).encode())
+    os.close(fd)
+    if path.stat().st_ino != stale_inode:
+        pytest.skip("this file system gave the new file another inode number")
+    clock.now += 5
+    assert [jit.resolve(ANON, 0x7000 + 16 * i) for i in range(fresh_lines)] == \
+        [f"fresh_{i}" for i in range(fresh_lines)]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a file owned by another uid")

@@ -156,6 +156,11 @@ class TailReader:
         #: CLOCK_REALTIME ns) belongs to an earlier process with the same pid.
         self.not_before_ns = not_before_ns
         self._stale: FileIdentity | None = None
+        #: The stale file's last bytes: a file that merely has its inode
+        #: number (unlinked, then a new one made: ext4 hands the number out
+        #: again at once) does not hold them at the same place.
+        self._stale_tail = b""
+        self._stale_tail_at = 0
         #: Append-only writers (perf maps) keep the stale lines at the start of
         #: the file; truncating writers (jitdump) start over and need no skip.
         self._skip_stale_prefix = skip_stale_prefix
@@ -179,10 +184,16 @@ class TailReader:
             # Runtimes append to a file left by an earlier process with the
             # same pid (CPython never truncates): remember where that ends.
             self._stale = opened.identity
+            self._stale_tail_at = max(0, opened.limit - ANCHOR_BYTES)
+            try:
+                self._stale_tail = opened.read_at(self._stale_tail_at, ANCHOR_BYTES)
+            except OSError:
+                self._stale_tail = b""
             opened.close()
             return self.refuse(Refusal(STALE, "last written before the process started"))
         try:
             reset = self._must_restart(opened)
+            skipped = self._stale_prefix(opened) if reset else 0
         except OSError as err:
             opened.close()
             return self.refuse(Refusal(IO_ERROR, f"read: {err}"))
@@ -190,21 +201,28 @@ class TailReader:
         if reset:
             if reloaded:
                 self.stats.reloads += 1
-            self.offset = self._stale_prefix(opened.identity)
+            self.offset = skipped
             self.seen_limit = 0
             self._anchor = b""
         self.identity = opened.identity
         self.stats.bytes_capped = opened.capped_bytes
         return TailSession(self, opened, reset, reloaded)
 
-    def _stale_prefix(self, identity: FileIdentity) -> int:
-        """Bytes at the start of this file that an earlier process wrote."""
+    def _stale_prefix(self, f: SafeFile) -> int:
+        """Bytes at the start of this file that an earlier process wrote: the
+        stale file, appended to since (same inode, as long or longer, its
+        last bytes still in place). A new file that got the stale one's
+        inode number has none."""
         stale = self._stale
         if stale is None or not self._skip_stale_prefix:
             return 0
-        if (stale.dev, stale.ino) != (identity.dev, identity.ino):
+        identity = f.identity
+        if (stale.dev, stale.ino) != (identity.dev, identity.ino) or identity.size < stale.size:
             return 0
-        return min(stale.size, identity.size)
+        tail = self._stale_tail
+        if tail and f.read_at(self._stale_tail_at, len(tail)) != tail:
+            return 0
+        return stale.size
 
     @property
     def full_path(self) -> str:
