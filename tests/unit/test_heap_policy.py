@@ -5,6 +5,8 @@ collection."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
 
 from tramprof.pipeline.heap import HeapPolicy, malloc_trim
@@ -109,3 +111,40 @@ def test_memory_a_drain_freed_goes_back_to_the_kernel():
         del pin
     finally:
         policy.close()
+
+
+RENDER_IN_A_THREAD = """
+import threading
+from tramprof.pipeline.heap import HeapPolicy
+
+def rss_kib():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+def render():
+    # What rendering a large profile does: line strings, the text joined
+    # from them, its encoding (~7 MB each).
+    lines = ["x" * 1200 + str(i) for i in range(6000)]
+    body = "\\n".join(lines).encode()
+    del lines
+    return len(body)
+
+policy = HeapPolicy()
+before = rss_kib()
+thread = threading.Thread(target=render)
+thread.start()
+thread.join()
+policy.after_drain()
+print(policy.one_arena, rss_kib() - before)
+"""
+
+
+def test_memory_a_thread_freed_goes_back_to_the_kernel_after_a_drain():
+    """A profile rendered by an HTTP thread: what it freed is given back by
+    the trim after the next drain (glibc's own arena for the thread kept
+    it). In a fresh interpreter: the test process has made its threads."""
+    proc = subprocess.run([sys.executable, "-c", RENDER_IN_A_THREAD], capture_output=True,
+                          text=True, timeout=60, check=True)
+    one_arena, grown_kib = proc.stdout.split()
+    assert one_arena == "True"
+    assert int(grown_kib) < 2 << 10, f"{grown_kib} KiB still resident (rendered ~7 MB)"

@@ -189,9 +189,9 @@ class ProcessErrors:
 class Profiler:
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.heap = HeapPolicy()  # first: the threads made below allocate from its arena
         self.sampler = Sampler(sampler_config(config))
         self.kernel = KernelSymbols(f"{config.proc_root}/kallsyms")
-        self.heap = HeapPolicy()
         self.stats = ProfilerStats(samples_by_process=ProcessSamples(
             config.max_process_series, config.series_expiry))
         self.registry = ProcessRegistry(proc_root=config.proc_root,
