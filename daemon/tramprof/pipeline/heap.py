@@ -39,7 +39,8 @@ largest block freed, up to 64 MiB). An HTTP thread rendering one
 its arena at 24 MiB resident for good: 161 against 139 MiB. So every
 thread allocates from the main arena (``mallopt(M_ARENA_MAX, 1)``, set
 before the daemon starts its threads); the interpreter lock lets one
-thread allocate at a time anyway.
+thread allocate at a time anyway. Measured there with one render each:
+131 against 165 MiB, the render's memory back at the next drain.
 """
 
 from __future__ import annotations
