@@ -19,7 +19,9 @@ left to warm up (at least ``--warmup`` s and until its helper threads, the
 unwind table compiler, are idle and the windows it keeps for ``/profile``
 have stopped growing, at most ``--max-warmup`` s), then measured at each
 frequency in turn (a configuration reload switches it; the kept windows are
-refilled at the new frequency first): over a
+refilled at the new frequency first): before each window, the last
+minute is fetched from ``/profile`` as folded stacks and as pprof (timed;
+what a render leaves resident shows in the steady RSS), then over a
 steady window, its CPU (utime+stime of it and its children, % of one core;
 and of its main thread alone, the one that drains), each drain's duration
 (``tramprof_drain_duration_seconds``: the drain and symbolization, not the
@@ -327,6 +329,8 @@ class Result:
     rss_growth: float = 0.0  # MiB a minute over the window
     scrape_ms: list[float] = field(default_factory=list)
     scrape_bytes: int = 0
+    # /profile of the last minute before the window, by format: (ms, bytes)
+    renders: dict[str, tuple[float, int]] = field(default_factory=dict)
     recorded_per_s: float = 0.0
     stacks_reused: float | None = None  # share of the drained stacks found again whole
     lost: float = 0.0
@@ -380,12 +384,38 @@ def settle(daemon: LoggedDaemon, args: argparse.Namespace) -> float:
     return time.monotonic() - began
 
 
+#: Formats fetched from /profile before each window (a flame graph's
+#: exchange format, and what pprof tools read).
+RENDERED_FORMATS = ("folded", "pprof")
+
+
+def render_profiles(daemon: LoggedDaemon) -> dict[str, tuple[float, int]]:
+    """Fetch the last minute in each of ``RENDERED_FORMATS``: (ms, bytes)."""
+    renders = {}
+    for fmt in RENDERED_FORMATS:
+        began = time.perf_counter()
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}/profile?seconds=60"
+                                    f"&format={fmt}", timeout=60) as response:
+            size = len(response.read())
+        renders[fmt] = ((time.perf_counter() - began) * 1e3, size)
+    return renders
+
+
 def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespace
             ) -> list[Result]:
     """One steady window at the running frequency for every daemon at once
     (side by side: the same workload and machine state), then each one's
     scrapes and windows."""
     results = [Result(frequency, daemon.label) for daemon in daemons]
+    # Someone looks at the node's last minute first, as users of /profile
+    # do: what a render leaves resident belongs in the steady RSS. Then a
+    # drain, so the window starts after the render's memory could go back.
+    for daemon, result in zip(daemons, results, strict=True):
+        result.renders = render_profiles(daemon)
+    for daemon in daemons:
+        count, deadline = drain_count(daemon)[0], time.monotonic() + 60
+        while drain_count(daemon)[0] == count and time.monotonic() < deadline:
+            time.sleep(0.5)
     before = [daemon.metrics("tramprof_perf_events_total", "tramprof_stacks_named_total")
               for daemon in daemons]
     # drains done -> the last one's (wall, CPU) seconds; CPU None from a
@@ -587,6 +617,10 @@ def report(results: list[Result]) -> None:
                                              f"{percentile(r.scrape_ms, 0.99):.1f}"
                                              for r in results])
     row("/metrics size (KiB, plain)", [f"{r.scrape_bytes / 1024:.0f}" for r in results])
+    for fmt in RENDERED_FORMATS:
+        row(f"/profile?seconds=60 {fmt}: ms, MB", [
+            f"{r.renders[fmt][0]:.0f}, {r.renders[fmt][1] / 1e6:.1f}" if fmt in r.renders
+            else "n/a" for r in results])
     row("stack+function series", [f"{r.series:.0f}" for r in results])
     row("processes held", [f"{r.processes:.0f}" for r in results])
     row("host CPUs busy (all processes)", [f"{r.host_busy_cpus:.2f}" for r in results])
