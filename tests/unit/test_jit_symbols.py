@@ -89,17 +89,23 @@ def test_miss_rereads_at_most_once_per_interval(tmp_path):
     assert (jit.lookups, jit.resolved) == (3, 2)
 
 
-def test_stale_file_from_an_earlier_process_is_skipped(tmp_path):
-    tmp = fake_process(tmp_path, 11, [11])
-    path = tmp / "perf-11.map"
-    path.write_text("7000 100 stale_name\n")
+def refused_stale_map(proc: Path, pid: int, text: str) -> tuple[Path, JitSymbols, Clock]:
+    """A perf map written by an earlier process with ``pid``, and the reader
+    of the process started since, which has refused it as stale."""
+    path = fake_process(proc, pid, [pid]) / f"perf-{pid}.map"
+    path.write_text(text)
     started_ns = time.time_ns() - boot_time_realtime_ns()  # "now", in CLOCK_BOOTTIME
     old = (time.time_ns() - 10 * MTIME_SLACK_NS) / 1e9
     os.utime(path, (old, old))
     clock = Clock()
-    jit = JitSymbols(11, started_ns, proc_root=str(tmp_path), clock=clock)
+    jit = JitSymbols(pid, started_ns, proc_root=str(proc), clock=clock)
     assert jit.resolve(ANON, 0x7000) is None
     assert jit.report()[0].refused == "stale"
+    return path, jit, clock
+
+
+def test_stale_file_from_an_earlier_process_is_skipped(tmp_path):
+    path, jit, clock = refused_stale_map(tmp_path, 11, "7000 100 stale_name\n")
     # The new process appends to the same file (CPython never truncates):
     # only its own lines count, the earlier process's prefix stays ignored.
     with path.open("a") as f:
@@ -125,17 +131,9 @@ def test_a_new_file_that_got_the_stale_files_inode_number_is_read_whole(disk_dir
     create, as the trampoline runtime does) makes a new file that ext4 gives
     the freed inode number: none of its lines are the earlier process's,
     whether it is shorter or longer than the stale one was."""
-    tmp = fake_process(disk_dir, 13, [13])
-    path = tmp / "perf-13.map"
-    path.write_text("".join(f"{0x9000 + 16 * i:x} 10 stale_{i}\n" for i in range(2)))
+    path, jit, clock = refused_stale_map(
+        disk_dir, 13, "".join(f"{0x9000 + 16 * i:x} 10 stale_{i}\n" for i in range(2)))
     stale_inode = path.stat().st_ino
-    started_ns = time.time_ns() - boot_time_realtime_ns()
-    old = (time.time_ns() - 10 * MTIME_SLACK_NS) / 1e9
-    os.utime(path, (old, old))
-    clock = Clock()
-    jit = JitSymbols(13, started_ns, proc_root=str(disk_dir), clock=clock)
-    assert jit.resolve(ANON, 0x7000) is None
-    assert jit.report()[0].refused == "stale"
     path.unlink()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, "".join(f"{0x7000 + 16 * i:x} 10 fresh_{i}\n"
