@@ -50,6 +50,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +64,22 @@ MAX_FULL_COLLECTION_SECONDS = 3600.0
 LITTLE_GARBAGE = 10_000
 
 
+def _libc_call(name: str, *argtypes: type) -> Any | None:
+    """The C library's function ``name`` (returning int), None where it has none."""
+    try:
+        function = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
+
+
 def malloc_trim() -> Callable[[], object] | None:
     """glibc's ``malloc_trim(0)``: free pages anywhere in its heaps go back
     to the kernel. None where the C library has no such call."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = (ctypes.c_size_t,)
-    trim.restype = ctypes.c_int
-    return lambda: trim(0)
+    trim = _libc_call("malloc_trim", ctypes.c_size_t)
+    return None if trim is None else lambda: trim(0)
 
 
 #: glibc's ``mallopt`` parameter for the most arenas (``malloc.h``).
@@ -82,13 +89,8 @@ M_ARENA_MAX = -8
 def one_malloc_arena() -> bool:
     """Have every thread allocate from glibc's main arena, which
     ``malloc_trim`` trims whole; False where the C library cannot."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(M_ARENA_MAX, 1))
+    mallopt = _libc_call("mallopt", ctypes.c_int, ctypes.c_int)
+    return mallopt is not None and bool(mallopt(M_ARENA_MAX, 1))
 
 
 class HeapPolicy:
