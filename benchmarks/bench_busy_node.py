@@ -343,6 +343,16 @@ def drain_count(daemon: LoggedDaemon) -> tuple[float, float]:
     return m[("tramprof_drains_total", ())], m[("tramprof_drain_duration_seconds", ())]
 
 
+def next_drain(daemon: LoggedDaemon, timeout: float = 60) -> bool:
+    """Wait for the daemon's next drain; False if none came in ``timeout`` s."""
+    count, deadline = drain_count(daemon)[0], time.monotonic() + timeout
+    while drain_count(daemon)[0] == count:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 class StoreFilling:
     """Whether the windows kept for /profile still grow: until they reach
     the retention or their memory bound, the daemon's memory grows with them
@@ -413,9 +423,7 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     for daemon, result in zip(daemons, results, strict=True):
         result.renders = render_profiles(daemon)
     for daemon in daemons:
-        count, deadline = drain_count(daemon)[0], time.monotonic() + 60
-        while drain_count(daemon)[0] == count and time.monotonic() < deadline:
-            time.sleep(0.5)
+        next_drain(daemon)
     before = [daemon.metrics("tramprof_perf_events_total", "tramprof_stacks_named_total")
               for daemon in daemons]
     # drains done -> the last one's (wall, CPU) seconds; CPU None from a
@@ -496,10 +504,7 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
         result.scrape_bytes = len(gzip.decompress(body))
         time.sleep(0.1)
     for _ in range(args.windows):
-        count, deadline = drain_count(daemon)[0], time.monotonic() + 60
-        while drain_count(daemon)[0] == count and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if time.monotonic() >= deadline:
+        if not next_drain(daemon):
             break  # no drain for a minute: nothing to count
         folded = daemon.get("/profile?seconds=0.001&format=folded").splitlines()
         result.unique_stacks.append(len(folded))
