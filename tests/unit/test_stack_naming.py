@@ -11,7 +11,9 @@ import pytest
 from tramprof.model import RawSample
 from tramprof.pipeline.naming import StackNamer
 from tramprof.pipeline.stackcache import StackCache
+from tramprof.symbols.elf import ElfCache
 from tramprof.symbols.images import ProcessImage
+from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
 from tramprof.unwind.arenas import Arenas
 
 from tests.unit.test_jit_symbols import jit_image
@@ -192,9 +194,6 @@ def test_a_process_gone_before_its_maps_were_read_is_one_marker(tmp_path, maps):
     not a zombie yet. Its user frames are one "[process exited]" marker,
     counted once per drain, not a column of "[unknown]" frames; kernel
     frames are still named."""
-    from tramprof.symbols.elf import ElfCache
-    from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats
-
     (tmp_path / str(PID)).mkdir()  # no maps file: the process is gone
     if maps is not None:
         (tmp_path / str(PID) / "maps").write_text(maps)
