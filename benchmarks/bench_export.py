@@ -7,6 +7,9 @@ Measures, in this process:
   10k series; ``collect()``; and a Prometheus text scrape of it
   (``prometheus_client.generate_latest``);
 * ``render_flamegraph_html`` of 10,000 stacks of 30 frames: time and page size;
+* ``/profile``'s pprof and folded bodies of a busy node's minute (``--window``
+  stacks of 5-85 located frames from 200 processes): time and size, and the
+  pprof body's gzip at level 1 (what the daemon writes) beside level 6;
 * ``KernelSymbols`` on this machine's ``/proc/kallsyms``: loading the table,
   and lookups per second (ns per lookup), of the addresses of a few core
   functions and of random kernel text addresses. Real addresses need root
@@ -21,15 +24,18 @@ Run: ``.venv/bin/python benchmarks/bench_export.py [--runs N]``
 from __future__ import annotations
 
 import argparse
+import gzip
 import random
 import time
 from collections.abc import Callable
 from functools import partial
 
 from prometheus_client import CollectorRegistry, generate_latest
+from tramprof.export.formats import encode_folded
 from tramprof.export.formats.flamegraph import render_flamegraph_html
+from tramprof.export.formats.pprof import encode_pprof
 from tramprof.export.series import SeriesConfig, SeriesTracker
-from tramprof.model import Profile, Stack
+from tramprof.model import FrameSource, MappedFile, Profile, Stack
 from tramprof.symbols.kallsyms import KernelSymbols
 
 ADD_TARGET_MS = 100.0  # add of 10k stacks (not shown for other --stacks)
@@ -110,6 +116,49 @@ def bench_flamegraph(runs: int, n_stacks: int) -> list[Row]:
              f"{ms:.1f} ms ({size:,} bytes)", "")]
 
 
+def located_stacks(n: int, processes: int = 200, seed: int = 4) -> list[Stack]:
+    """A busy node's window: stacks of 5-85 frames from 300 functions per
+    process, half of them Python, each address's place one shared object
+    (as the pipeline's caches give them)."""
+    rng = random.Random(seed)
+    code: dict[int, list[tuple[str, FrameSource]]] = {}
+    for pid in range(1000, 1000 + processes):
+        binary = MappedFile(f"/srv/app{pid % 40}/bin/app", 0x55_0000_0000, 0x55_0040_0000, 0,
+                            f"{pid % 40:040x}")
+        code[pid] = [(f"py::mod{j % 9}.Class{j % 13}.method_{j}:/srv/app/pkg{j % 9}/mod.py"
+                      if pid % 2 else f"app_function_{j}",
+                      FrameSource(0x55_0000_1000 + 64 * j + pid % 16, binary))
+                     for j in range(300)]
+    stacks = []
+    for i in range(n):
+        pid = 1000 + i % processes
+        path = [rng.choice(code[pid]) for _ in range(rng.randint(5, 85))]
+        stacks.append(Stack(pid, f"app{pid}", f"app{pid}", tuple(f for f, _ in path),
+                            rng.randint(1, 3), tuple(s for _, s in path)))
+    return stacks
+
+
+def bench_profile_formats(runs: int, n_stacks: int) -> list[Row]:
+    profile = Profile(tuple(located_stacks(n_stacks)), 1_700_000_000_000_000_000,
+                      60 * 10**9, 99)
+    frames = sum(len(stack.frames) for stack in profile.stacks)
+    body = encode_pprof(profile)
+    pprof_ms = best_of(runs, lambda: encode_pprof(profile)) * 1000
+    raw = gzip.decompress(body)
+    rows: list[Row] = [(f"/profile bodies, {n_stacks:,} stacks of {frames:,} frames", "", ""),
+                       ("  pprof", f"{pprof_ms:.0f} ms ({len(body) / 1e6:.2f} MB)", "")]
+    for level in (1, 6):
+        size = len(gzip.compress(raw, compresslevel=level, mtime=0))
+        ms = best_of(runs, lambda level=level: gzip.compress(raw, compresslevel=level,
+                                                             mtime=0)) * 1000
+        rows.append((f"    of it gzip level {level}{' (written)' if level == 1 else ''}",
+                     f"{ms:.1f} ms ({size / 1e6:.2f} MB of {len(raw) / 1e6:.2f})", ""))
+    folded = encode_folded(profile)
+    folded_ms = best_of(runs, lambda: encode_folded(profile)) * 1000
+    rows.append(("  folded", f"{folded_ms:.0f} ms ({len(folded) / 1e6:.2f} MB)", ""))
+    return rows
+
+
 def bench_kallsyms(runs: int, n_lookups: int) -> list[Row]:
     k = KernelSymbols()
     if not k.available:
@@ -164,11 +213,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5, help="runs per figure; the least is kept")
     ap.add_argument("--stacks", type=int, default=10_000,
                     help="stacks per series add and in the flame graph")
+    ap.add_argument("--window", type=int, default=6_900,
+                    help="stacks in the /profile bodies (a busy node's minute)")
     ap.add_argument("--lookups", type=int, default=100_000, help="kallsyms lookups per run")
     args = ap.parse_args()
 
     rows = [*bench_series(args.runs, args.stacks),
             *bench_flamegraph(args.runs, args.stacks),
+            *bench_profile_formats(args.runs, args.window),
             *bench_kallsyms(args.runs, args.lookups)]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows if r[2])  # long results without a target overhang
