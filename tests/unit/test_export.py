@@ -48,7 +48,8 @@ def stats() -> ProfilerStats:
         symbolization_failures=Counter({"no_symbol": 9}),
         processes=2, process_events=Counter({"exit": 3, "overrun": 0}),
         drains=4, last_drain_seconds=0.25, last_drain_cpu_seconds=0.125,
-        bpf_run_time_ns=3_000_000, bpf_run_count=1000)
+        bpf_run_time_ns=3_000_000, bpf_run_count=1000,
+        heap_full_collections=2, heap_full_collection_seconds=0.75)
 
 
 @pytest.fixture
@@ -75,6 +76,8 @@ def test_collector_values(registry):
     assert get("tramprof_bpf_runs_total") == 1000
     assert get("tramprof_drain_duration_seconds") == 0.25
     assert get("tramprof_drain_cpu_seconds") == 0.125
+    assert get("tramprof_heap_full_collections_total") == 2
+    assert get("tramprof_heap_full_collection_seconds_total") == 0.75
 
 
 def _daemon_registry():

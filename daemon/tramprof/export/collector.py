@@ -122,6 +122,8 @@ class ProfilerCollector(Collector):
         for how, count in (("reused", stats.stacks_reused), ("named", stats.stacks_named)):
             named.add_metric([how], count)
         yield named
+        yield _single(fam.HEAP_FULL_COLLECTIONS, stats.heap_full_collections)
+        yield _single(fam.HEAP_FULL_COLLECTION_SECONDS, stats.heap_full_collection_seconds)
         yield from _table_families(stats, bpf)
         yield from _duty_families(stats)
         process_errors = _family(fam.PROCESS_ERRORS)

@@ -156,6 +156,15 @@ STACKS_NAMED = Family(
     "Distinct stacks of the drains by how they were named: reused (the same raw stack of "
     "the same process, named in one of the last two drains, found again whole) or named "
     "(frame by frame).")
+HEAP_FULL_COLLECTIONS = Family(
+    "tramprof_heap_full_collections", "counter", (),
+    "Collections of the daemon's whole heap by Python's cyclic garbage collector (the "
+    "rest of the time it sees only what was made since the last drain): every 5 minutes "
+    "while they find garbage, then less and less often, up to hourly. Each holds the "
+    "interpreter lock: drains and scrapes wait for it. As of the last drain.")
+HEAP_FULL_COLLECTION_SECONDS = Family(
+    "tramprof_heap_full_collection_seconds", "counter", (),
+    "Seconds spent in those collections (tramprof_heap_full_collections_total).")
 SYMBOL_EVICTIONS = Family(
     "tramprof_symbol_evictions", "counter", (),
     "Perf map / jitdump indexes and debug file tables dropped to stay within "
@@ -270,7 +279,8 @@ ALL: tuple[Family, ...] = (
     UNWIND_REFUSALS, UNWIND_TABLE_BYTES, UNWIND_TABLE_OBJECTS, UNWIND_TABLE_ROWS,
     UNWIND_TABLE_EVICTIONS, UNWIND_TABLE_BUILDS, UNWIND_TABLE_BUILD_SECONDS, UNWIND_TABLE_STOPS,
     PYTHON_DUTY_CYCLE, PYTHON_OVERHEAD, PROCESS_ERRORS, INJECTIONS, SYMBOL_MEMORY,
-    SYMBOL_EVICTIONS, ADDRESS_CACHE, ADDRESS_CACHE_EVICTIONS, STACKS_NAMED, PROFILE_STORE_BYTES,
+    SYMBOL_EVICTIONS, ADDRESS_CACHE, ADDRESS_CACHE_EVICTIONS, STACKS_NAMED,
+    HEAP_FULL_COLLECTIONS, HEAP_FULL_COLLECTION_SECONDS, PROFILE_STORE_BYTES,
     PROFILE_STORE_SECONDS, STACK_SAMPLES, FUNCTION_SAMPLES, DROPPED_SERIES, SERIES, BUILD_INFO,
 )
 

@@ -374,6 +374,9 @@ class Profiler:
             self._refresh_modes(full=True)
             self._update_stats(stacks, began, cpu_began)
             self.heap.after_drain()
+        # Outside the drain's own figures (last_drain_seconds), and published with them.
+        self.stats.heap_full_collections = self.heap.full_collections
+        self.stats.heap_full_collection_seconds = self.heap.full_collection_seconds
         return stacks
 
     def _update_stats(self, stacks: list[Stack], began: float, cpu_began: float) -> None:

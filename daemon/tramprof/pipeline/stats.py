@@ -88,6 +88,9 @@ class ProfilerStats:
     # named frame by frame.
     stacks_reused: int = 0
     stacks_named: int = 0
+    # Collections of the whole heap, and their seconds (pipeline.heap).
+    heap_full_collections: int = 0
+    heap_full_collection_seconds: float = 0.0
     # Failures inside the per-process error boundary, by stage.
     process_errors: Counter[str] = field(default_factory=Counter)
     # Automatic injections (inject_* settings) by result.
