@@ -7,9 +7,10 @@ Measures, in this process:
   10k series; ``collect()``; and a Prometheus text scrape of it
   (``prometheus_client.generate_latest``);
 * ``render_flamegraph_html`` of 10,000 stacks of 30 frames: time and page size;
-* ``/profile``'s pprof and folded bodies of a busy node's minute (``--window``
-  stacks of 5-85 located frames from 200 processes): time and size, and the
-  pprof body's gzip at level 1 (what the daemon writes) beside level 6;
+* ``/profile``'s pprof and folded bodies of a busy node's minute
+  (``--window`` such stacks from 200 processes, each frame with its place):
+  time and size, and the pprof body's gzip at level 1 (what the daemon
+  writes) beside level 6;
 * ``KernelSymbols`` on this machine's ``/proc/kallsyms``: loading the table,
   and lookups per second (ns per lookup), of the addresses of a few core
   functions and of random kernel text addresses. Real addresses need root
@@ -116,31 +117,29 @@ def bench_flamegraph(runs: int, n_stacks: int) -> list[Row]:
              f"{ms:.1f} ms ({size:,} bytes)", "")]
 
 
-def located_stacks(n: int, processes: int = 200, seed: int = 4) -> list[Stack]:
-    """A busy node's window: stacks of 5-85 frames from 300 functions per
-    process, half of them Python, each address's place one shared object
-    (as the pipeline's caches give them)."""
-    rng = random.Random(seed)
-    code: dict[int, list[tuple[str, FrameSource]]] = {}
-    for pid in range(1000, 1000 + processes):
-        binary = MappedFile(f"/srv/app{pid % 40}/bin/app", 0x55_0000_0000, 0x55_0040_0000, 0,
-                            f"{pid % 40:040x}")
-        code[pid] = [(f"py::mod{j % 9}.Class{j % 13}.method_{j}:/srv/app/pkg{j % 9}/mod.py"
-                      if pid % 2 else f"app_function_{j}",
-                      FrameSource(0x55_0000_1000 + 64 * j + pid % 16, binary))
-                     for j in range(300)]
-    stacks = []
-    for i in range(n):
-        pid = 1000 + i % processes
-        path = [rng.choice(code[pid]) for _ in range(rng.randint(5, 85))]
-        stacks.append(Stack(pid, f"app{pid}", f"app{pid}", tuple(f for f, _ in path),
-                            rng.randint(1, 3), tuple(s for _, s in path)))
-    return stacks
+def located(stacks: list[Stack]) -> list[Stack]:
+    """``stacks`` with a place for every frame: per process one binary and
+    one shared object per name (as the pipeline's caches give them)."""
+    places: dict[tuple[int, str], FrameSource] = {}
+    binaries: dict[int, MappedFile] = {}
+    out = []
+    for stack in stacks:
+        binary = binaries.get(stack.pid)
+        if binary is None:
+            binary = binaries[stack.pid] = MappedFile(
+                f"/srv/app{stack.pid % 40}/bin/app", 0x55_0000_0000, 0x55_0040_0000, 0,
+                f"{stack.pid % 40:040x}")
+        sources = tuple(places.setdefault(
+            (stack.pid, frame), FrameSource(0x55_0000_1000 + 64 * len(places), binary))
+            for frame in stack.frames)
+        out.append(Stack(stack.pid, stack.process, stack.comm, stack.frames, stack.count,
+                         sources))
+    return out
 
 
 def bench_profile_formats(runs: int, n_stacks: int) -> list[Row]:
-    profile = Profile(tuple(located_stacks(n_stacks)), 1_700_000_000_000_000_000,
-                      60 * 10**9, 99)
+    profile = Profile(tuple(located(synthetic_stacks(n_stacks, 200, seed=4))),
+                      1_700_000_000_000_000_000, 60 * 10**9, 99)
     frames = sum(len(stack.frames) for stack in profile.stacks)
     body = encode_pprof(profile)
     pprof_ms = best_of(runs, lambda: encode_pprof(profile)) * 1000

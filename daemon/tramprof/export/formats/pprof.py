@@ -266,8 +266,8 @@ def encode_pprof(profile: Profile) -> bytes:
     Location per name.
 
     Compressed at gzip level 1, as Go's ``runtime/pprof`` writes its
-    profiles: for a busy node's minute (1.1-1.4 MB raw) 10-22 ms instead of
-    34-40 ms at level 6, for 5-10% more bytes (``benchmarks/bench_export.py``).
+    profiles: for a busy node's minute (1.1-2 MB raw) 10-24 ms instead of
+    34-88 ms at level 6, for ~5% more bytes (``benchmarks/bench_export.py``).
     """
     classes = _CLASSES
     strings = _Strings()
