@@ -88,6 +88,8 @@ PROMETHEUS_HEADERS = {
 #: The daemon's collections of its whole heap: count and seconds (pipeline.heap).
 HEAP_COLLECTIONS = ("tramprof_heap_full_collections_total",
                     "tramprof_heap_full_collection_seconds_total")
+#: Unwind tables compiled, by result (each in a child process: unwind.cfibuild).
+TABLE_BUILDS = "tramprof_unwind_table_builds_total"
 TARGETS = {99: {"cpu": 1.0, "drain_ms": 200.0, "rss_mib": 150.0}}
 FUNCTIONS = 300
 PERIOD_S = 0.25
@@ -191,6 +193,14 @@ class LoggedDaemon(Daemon):
                     fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
                     total += int(fields[11]) + int(fields[12])
         return total / os.sysconf("SC_CLK_TCK")
+
+    def reaped_children_cpu(self) -> float:
+        """CPU seconds of the daemon's child processes that have exited: the
+        unwind table compilers (the long-lived children never exit)."""
+        with suppress(OSError):
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+        return 0.0
 
     def children_cpu(self) -> float:
         """CPU seconds of the daemon's child processes, live (the unwind
@@ -342,10 +352,23 @@ class Result:
     # Whole-heap collections in the window and their seconds (None: the build
     # does not tell): one adds ~0.4 s of CPU to the window.
     heap_collections: tuple[float, float] | None = None
+    # CPU of the daemon's child processes that exited in the window (the
+    # unwind table compilers of objects first sampled then) and the builds
+    # that finished.
+    children_cpu_percent: float = 0.0
+    table_builds: float = 0.0
     window_s: float = 0.0
     lost: float = 0.0
     series: float = 0.0
     processes: float = 0.0
+
+    @property
+    def steady_cpu_percent(self) -> float:
+        """The window's CPU without the one-off work in it: table builds and
+        whole-heap collections."""
+        collections = self.heap_collections[1] if self.heap_collections else 0.0
+        return (self.cpu_percent - self.children_cpu_percent
+                - collections / self.window_s * 100)
 
 
 def drain_count(daemon: LoggedDaemon) -> tuple[float, float]:
@@ -435,12 +458,13 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     for daemon in daemons:
         next_drain(daemon)
     before = [daemon.metrics("tramprof_perf_events_total", "tramprof_stacks_named_total",
-                             *HEAP_COLLECTIONS)
+                             *HEAP_COLLECTIONS, TABLE_BUILDS)
               for daemon in daemons]
     # drains done -> the last one's (wall, CPU) seconds; CPU None from a
     # build that does not export it
     drains: list[dict[float, tuple[float, float | None]]] = [{} for _ in daemons]
     main0 = [daemon.helper_threads_cpu(main=True) for daemon in daemons]
+    children0 = [daemon.reaped_children_cpu() for daemon in daemons]
     rss0 = [daemon.status("VmRSS") for daemon in daemons]
     cpu0 = [daemon.cpu_with_children() for daemon in daemons]
     busy0, t0 = host_busy(), time.monotonic()
@@ -464,6 +488,7 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
         run_queue.append(runnable())
     cpu1 = [daemon.cpu_with_children() for daemon in daemons]
     main1 = [daemon.helper_threads_cpu(main=True) for daemon in daemons]
+    children1 = [daemon.reaped_children_cpu() for daemon in daemons]
     busy1, t1 = host_busy(), time.monotonic()
     # Everything of the window is read before any daemon's scrapes and windows.
     rss = [(daemon.status("VmHWM"), daemon.status("VmRSS")) for daemon in daemons]
@@ -474,6 +499,7 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
                               main1[at] - main0[at], rss0[at], drains[at], before[at],
                               after[at])
         results[at].run_queue = run_queue
+        results[at].children_cpu_percent = (children1[at] - children0[at]) / (t1 - t0) * 100
         results[at].host_busy_cpus = ((busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
                                       * (os.cpu_count() or 1))
     return results
@@ -508,6 +534,8 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
         count, seconds_in = (after[(name, ())] - before.get((name, ()), 0.0)
                              for name in HEAP_COLLECTIONS)
         result.heap_collections = (count, seconds_in)
+    result.table_builds = sum(v - before.get(k, 0.0) for k, v in after.items()
+                              if k[0] == TABLE_BUILDS)
     result.series = sum(v for k, v in after.items() if k[0] == "tramprof_series")
     result.processes = after[("tramprof_processes", ())]
     for _ in range(args.scrapes):
@@ -614,6 +642,11 @@ def report(results: list[Result]) -> None:
         "n/a" if r.heap_collections is None
         else f"{r.cpu_percent - r.heap_collections[1] / r.window_s * 100:.2f}"
         for r in results])
+    # An object first sampled in the window has its unwind table compiled
+    # then (once per object for the daemon's life: 0.1-1 CPU s each).
+    row("  of it unwind table builds (children)", [
+        f"{r.children_cpu_percent:.2f} ({r.table_builds:.0f} built)" for r in results])
+    row("  less both: the steady loop", [f"{r.steady_cpu_percent:.2f}" for r in results])
     row("drain ms p50 / p99", [f"{median(r.drains_ms):.0f} / "
                                    f"{percentile(r.drains_ms, 0.99):.0f}"
                                    if r.drains_ms else "n/a" for r in results],
