@@ -49,7 +49,9 @@ def stats() -> ProfilerStats:
         processes=2, process_events=Counter({"exit": 3, "overrun": 0}),
         drains=4, last_drain_seconds=0.25, last_drain_cpu_seconds=0.125,
         bpf_run_time_ns=3_000_000, bpf_run_count=1000,
-        heap_full_collections=2, heap_full_collection_seconds=0.75)
+        heap_full_collections=2, heap_full_collection_seconds=0.75,
+        main_thread_cpu_seconds={"drain": 1.5, "heap": 0.25, "aggregate": 0.5,
+                                 "process_events": 0.875})
 
 
 @pytest.fixture
@@ -78,6 +80,15 @@ def test_collector_values(registry):
     assert get("tramprof_drain_cpu_seconds") == 0.125
     assert get("tramprof_heap_full_collections_total") == 2
     assert get("tramprof_heap_full_collection_seconds_total") == 0.75
+    assert {stage: get("tramprof_main_thread_cpu_seconds_total", {"stage": stage})
+            for stage in ("drain", "heap", "aggregate", "process_events")} == \
+        {"drain": 1.5, "heap": 0.25, "aggregate": 0.5, "process_events": 0.875}
+
+
+def test_main_thread_stages_start_at_zero():
+    """Every stage has its series from the start, so rate() sees it begin."""
+    assert ProfilerStats().main_thread_cpu_seconds == {
+        "drain": 0.0, "heap": 0.0, "aggregate": 0.0, "process_events": 0.0}
 
 
 def _daemon_registry():

@@ -178,6 +178,7 @@ class Daemon:
         window = None
         try:
             stacks = self.profiler.collect()
+            cpu_began = time.thread_time()
             snapshot = self.profiler.stats.copy()
             with self._publish_lock:
                 self.series.add(stacks, time.monotonic())
@@ -186,6 +187,8 @@ class Daemon:
                              now_ns - self._window_start_ns, self.config.frequency,
                              self._process_labels(stacks))
             self.store.add(window)
+            # Published with the next drain's figures.
+            self.profiler.stats.add_cpu("aggregate", time.thread_time() - cpu_began)
             self._window_start_ns = now_ns
             self._last_drain = time.monotonic()
         finally:

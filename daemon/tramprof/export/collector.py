@@ -99,6 +99,10 @@ class ProfilerCollector(Collector):
         yield _single(fam.DRAINS, stats.drains)
         yield _single(fam.DRAIN_SECONDS, stats.last_drain_seconds)
         yield _single(fam.DRAIN_CPU_SECONDS, stats.last_drain_cpu_seconds)
+        main_thread = _family(fam.MAIN_THREAD_CPU_SECONDS)
+        for stage, seconds in stats.main_thread_cpu_seconds.items():
+            main_thread.add_metric([stage], seconds)
+        yield main_thread
 
         yield from _jit_families(stats)
 

@@ -78,6 +78,15 @@ DRAIN_CPU_SECONDS = Family(
     "tramprof_drain_cpu_seconds", "gauge", (),
     "CPU time of the last drain (its thread's), symbolization included: the wall time "
     "less what the drain waited for a CPU.")
+MAIN_THREAD_CPU_SECONDS = Family(
+    "tramprof_main_thread_cpu_seconds", "counter", ("stage",),
+    "CPU time of the daemon's main thread by stage: drain (reading the kernel buffers, "
+    "naming the stacks, the checks of processes and unwinding modes after each drain), "
+    "heap (the garbage collector's and allocator's step after each drain), aggregate "
+    "(these figures, metric series and the windows kept for /profile), process_events "
+    "(between drains: newly sampled processes read while they run, lifecycle events, "
+    "unwinding mode refreshes). process_cpu_seconds_total less their sum is the other "
+    "threads' (HTTP requests among them). As of the last drain.")
 BPF_RUN_SECONDS = Family(
     "tramprof_bpf_run_time_seconds", "counter", (),
     "CPU time spent in the sampling BPF program (kernel BPF statistics).")
@@ -272,7 +281,7 @@ PYTHON_OVERHEAD = Family(
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
     KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS,
-    NEW_PROCESS_EVENTS_LOST, DRAINS, DRAIN_SECONDS, DRAIN_CPU_SECONDS,
+    NEW_PROCESS_EVENTS_LOST, DRAINS, DRAIN_SECONDS, DRAIN_CPU_SECONDS, MAIN_THREAD_CPU_SECONDS,
     BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
     JIT_RECORDS_DROPPED, JIT_BYTES_READ, UNWIND_SAMPLES, PYTHON_FRAMES_TRUNCATED,
     CHAIN_INVALID, SCAN_STALE, SCAN_WINDOWS_EXHAUSTED, SCAN_OVERFLOWS, SCAN_REFUSALS,

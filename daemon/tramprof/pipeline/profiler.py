@@ -230,17 +230,22 @@ class Profiler:
         sampled process shows up or one of ``wake_fds`` is readable, then
         handle events: a process sampled for the first time must be looked
         at while it still runs, which may be only milliseconds."""
-        # poll, not select: descriptors past 1023 (a busy host's held
-        # files push them there) are fine.
-        ready = select.poll()
-        for fd in (*self.event_fds(), *wake_fds):
-            ready.register(fd, select.POLLIN)
-        timeout = min(timeout, EVENTS_EVERY)
-        if self.unwinders.following():
-            timeout = min(timeout, FOLLOW_EVERY)
-        with contextlib.suppress(InterruptedError):
-            ready.poll(max(0.0, timeout) * 1000)
-        self.poll_process_events()
+        # CPU only: the time asleep in poll() counts for nothing.
+        cpu_began = time.thread_time()
+        try:
+            # poll, not select: descriptors past 1023 (a busy host's held
+            # files push them there) are fine.
+            ready = select.poll()
+            for fd in (*self.event_fds(), *wake_fds):
+                ready.register(fd, select.POLLIN)
+            timeout = min(timeout, EVENTS_EVERY)
+            if self.unwinders.following():
+                timeout = min(timeout, FOLLOW_EVERY)
+            with contextlib.suppress(InterruptedError):
+                ready.poll(max(0.0, timeout) * 1000)
+            self.poll_process_events()
+        finally:
+            self.stats.add_cpu("process_events", time.thread_time() - cpu_began)
 
     def poll_process_events(self) -> None:
         """Warm newly sampled processes, queue lifecycle events (applied after
@@ -373,7 +378,10 @@ class Profiler:
                 self._next_resync = time.monotonic() + RESYNC_SECONDS
             self._refresh_modes(full=True)
             self._update_stats(stacks, began, cpu_began)
+            heap_began = time.thread_time()
+            self.stats.add_cpu("drain", heap_began - cpu_began)
             self.heap.after_drain()
+            self.stats.add_cpu("heap", time.thread_time() - heap_began)
         # Outside the drain's own figures (last_drain_seconds), and published with them.
         self.stats.heap_full_collections = self.heap.full_collections
         self.stats.heap_full_collection_seconds = self.heap.full_collection_seconds

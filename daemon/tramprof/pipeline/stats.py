@@ -56,6 +56,17 @@ class ProcessSamples:
         return len(self._counts)
 
 
+#: What the daemon's main thread does, in the order it does it each interval:
+#: ``drain`` reads the kernel's buffers and names the stacks, then checks
+#: processes and unwinding modes; ``heap`` is the collector's and the
+#: allocator's step after it (``pipeline.heap``); ``aggregate`` publishes
+#: the figures and adds the stacks to the metric series and the windows kept
+#: for /profile; and
+#: ``process_events``, between drains, reads newly sampled processes while
+#: they run, takes lifecycle events and refreshes the unwinding modes.
+MAIN_THREAD_STAGES = ("drain", "heap", "aggregate", "process_events")
+
+
 @dataclass
 class ProfilerStats:
     samples_by_process: ProcessSamples = field(default_factory=ProcessSamples)
@@ -91,6 +102,9 @@ class ProfilerStats:
     # Collections of the whole heap, and their seconds (pipeline.heap).
     heap_full_collections: int = 0
     heap_full_collection_seconds: float = 0.0
+    # CPU seconds of the main thread by stage (MAIN_THREAD_STAGES).
+    main_thread_cpu_seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(MAIN_THREAD_STAGES, 0.0))
     # Failures inside the per-process error boundary, by stage.
     process_errors: Counter[str] = field(default_factory=Counter)
     # Automatic injections (inject_* settings) by result.
@@ -100,6 +114,10 @@ class ProfilerStats:
     # Processes under the trampoline runtime, by process name: (mean duty
     # cycle of the hook, mean estimated share of time spent in trampolines).
     python_duty: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def add_cpu(self, stage: str, seconds: float) -> None:
+        """Count ``seconds`` of the main thread's CPU for ``stage``."""
+        self.main_thread_cpu_seconds[stage] += seconds
 
     def copy(self) -> ProfilerStats:
         return copy.deepcopy(self)
