@@ -90,6 +90,9 @@ HEAP_COLLECTIONS = ("tramprof_heap_full_collections_total",
                     "tramprof_heap_full_collection_seconds_total")
 #: Unwind tables compiled, by result (each in a child process: unwind.cfibuild).
 TABLE_BUILDS = "tramprof_unwind_table_builds_total"
+#: The main thread's CPU seconds by stage (pipeline.stats.MAIN_THREAD_STAGES).
+MAIN_THREAD_STAGES = "tramprof_main_thread_cpu_seconds_total"
+STAGES = ("drain", "heap", "aggregate", "process_events")
 TARGETS = {99: {"cpu": 1.0, "drain_ms": 200.0, "rss_mib": 150.0}}
 FUNCTIONS = 300
 PERIOD_S = 0.25
@@ -357,6 +360,8 @@ class Result:
     # that finished.
     children_cpu_percent: float = 0.0
     table_builds: float = 0.0
+    # The main thread's CPU by stage, % of a core (empty: the build does not tell).
+    stages_percent: dict[str, float] = field(default_factory=dict)
     window_s: float = 0.0
     lost: float = 0.0
     series: float = 0.0
@@ -458,7 +463,7 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     for daemon in daemons:
         next_drain(daemon)
     before = [daemon.metrics("tramprof_perf_events_total", "tramprof_stacks_named_total",
-                             *HEAP_COLLECTIONS, TABLE_BUILDS)
+                             *HEAP_COLLECTIONS, TABLE_BUILDS, MAIN_THREAD_STAGES)
               for daemon in daemons]
     # drains done -> the last one's (wall, CPU) seconds; CPU None from a
     # build that does not export it
@@ -536,6 +541,8 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
         result.heap_collections = (count, seconds_in)
     result.table_builds = sum(v - before.get(k, 0.0) for k, v in after.items()
                               if k[0] == TABLE_BUILDS)
+    result.stages_percent = {dict(k[1])["stage"]: (v - before.get(k, 0.0)) / seconds * 100
+                             for k, v in after.items() if k[0] == MAIN_THREAD_STAGES}
     result.series = sum(v for k, v in after.items() if k[0] == "tramprof_series")
     result.processes = after[("tramprof_processes", ())]
     for _ in range(args.scrapes):
@@ -637,6 +644,11 @@ def report(results: list[Result]) -> None:
         f"99 Hz target <= {t['cpu']:.0f}% ({mark(r99.cpu_percent <= t['cpu'])})"
         if r99 else "")
     row("  of it the main thread", [f"{r.main_cpu_percent:.2f}" for r in results])
+    # The daemon's own account (as of the window's last drain).
+    for stage in STAGES:
+        row(f"    {stage.replace('_', ' ')}", [
+            f"{r.stages_percent[stage]:.2f}" if stage in r.stages_percent else "n/a"
+            for r in results])
     # Steady state meets one every hour at most: the window's CPU without them.
     row("  less whole-heap collections", [
         "n/a" if r.heap_collections is None
