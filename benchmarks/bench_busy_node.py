@@ -77,6 +77,7 @@ from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
 from prometheus_client.parser import text_string_to_metric_families
+from tramprof.pipeline.stats import MAIN_THREAD_STAGES
 
 # What Prometheus sends with a scrape by default: OpenMetrics first, gzip.
 PROMETHEUS_HEADERS = {
@@ -90,9 +91,8 @@ HEAP_COLLECTIONS = ("tramprof_heap_full_collections_total",
                     "tramprof_heap_full_collection_seconds_total")
 #: Unwind tables compiled, by result (each in a child process: unwind.cfibuild).
 TABLE_BUILDS = "tramprof_unwind_table_builds_total"
-#: The main thread's CPU seconds by stage (pipeline.stats.MAIN_THREAD_STAGES).
-MAIN_THREAD_STAGES = "tramprof_main_thread_cpu_seconds_total"
-STAGES = ("drain", "heap", "aggregate", "process_events")
+#: The main thread's CPU seconds by stage (MAIN_THREAD_STAGES).
+STAGE_CPU = "tramprof_main_thread_cpu_seconds_total"
 TARGETS = {99: {"cpu": 1.0, "drain_ms": 200.0, "rss_mib": 150.0}}
 FUNCTIONS = 300
 PERIOD_S = 0.25
@@ -463,7 +463,7 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     for daemon in daemons:
         next_drain(daemon)
     before = [daemon.metrics("tramprof_perf_events_total", "tramprof_stacks_named_total",
-                             *HEAP_COLLECTIONS, TABLE_BUILDS, MAIN_THREAD_STAGES)
+                             *HEAP_COLLECTIONS, TABLE_BUILDS, STAGE_CPU)
               for daemon in daemons]
     # drains done -> the last one's (wall, CPU) seconds; CPU None from a
     # build that does not export it
@@ -542,7 +542,7 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
     result.table_builds = sum(v - before.get(k, 0.0) for k, v in after.items()
                               if k[0] == TABLE_BUILDS)
     result.stages_percent = {dict(k[1])["stage"]: (v - before.get(k, 0.0)) / seconds * 100
-                             for k, v in after.items() if k[0] == MAIN_THREAD_STAGES}
+                             for k, v in after.items() if k[0] == STAGE_CPU}
     result.series = sum(v for k, v in after.items() if k[0] == "tramprof_series")
     result.processes = after[("tramprof_processes", ())]
     for _ in range(args.scrapes):
@@ -645,7 +645,7 @@ def report(results: list[Result]) -> None:
         if r99 else "")
     row("  of it the main thread", [f"{r.main_cpu_percent:.2f}" for r in results])
     # The daemon's own account (as of the window's last drain).
-    for stage in STAGES:
+    for stage in MAIN_THREAD_STAGES:
         row(f"    {stage.replace('_', ' ')}", [
             f"{r.stages_percent[stage]:.2f}" if stage in r.stages_percent else "n/a"
             for r in results])

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tramprof.pipeline.stats import MAIN_THREAD_STAGES
 
 from tests.conftest import TRAMPROF, requires_root
 
@@ -111,9 +112,6 @@ def daemon() -> Iterator[object]:
 
 def value(metrics: dict, name: str, **labels: str) -> float:
     return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-MAIN_THREAD_STAGES = ("drain", "heap", "aggregate", "process_events")
 
 
 def main_thread_stages(metrics: dict) -> dict[str, float]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
+from tramprof.pipeline.stats import MAIN_THREAD_STAGES
 
 from tests.conftest import requires_root
 from tests.e2e.prometheus import PROMETHEUS, PrometheusServer, free_port
@@ -352,7 +353,7 @@ def panel_checks(central: PrometheusServer, d: Daemon, rate: tuple[float, float]
     def cpu_by_stage(queries: Queries) -> None:
         ((_, result),) = queries
         stages = values(result, "stage")
-        assert set(stages) == {"drain", "heap", "aggregate", "process_events"}, result
+        assert set(stages) == set(MAIN_THREAD_STAGES), result
         assert stages["drain"] > 0 and min(stages.values()) >= 0, stages
         # Together, the main thread's CPU in the same 10 s (the counters
         # move at drains, every 1 s, and the kernel's account is polled every
