@@ -143,6 +143,16 @@ class Workers:
             Path(f"/tmp/perf-{proc.pid}.map").unlink(missing_ok=True)
 
 
+def stat_seconds(stat: Path, first: int, end: int) -> float:
+    """Seconds in the clock-tick fields ``first`` up to ``end`` of a /proc
+    stat file, counted from the field after the process name (utime is 11,
+    stime 12, cutime 13, cstime 14); 0 when the task is gone."""
+    with suppress(OSError):
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return sum(int(f) for f in fields[first:end]) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
 class LoggedDaemon(Daemon):
     """``common.Daemon`` with its log kept in a file (budget warnings matter here)."""
 
@@ -178,45 +188,26 @@ class LoggedDaemon(Daemon):
 
     def cpu_with_children(self) -> float:
         """CPU seconds of the daemon, its reaped children and its live ones."""
-        tick = os.sysconf("SC_CLK_TCK")
-        total = 0
-        for stat in [Path(f"/proc/{self.proc.pid}/stat"), *self._child_stats()]:
-            with suppress(OSError):
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                total += sum(int(f) for f in fields[11:15])
-        return total / tick
+        return sum(stat_seconds(stat, 11, 15)
+                   for stat in [Path(f"/proc/{self.proc.pid}/stat"), *self._child_stats()])
 
     def helper_threads_cpu(self, main: bool = False) -> float:
         """CPU seconds of the daemon's threads but its main one (``main``: of
         the main one alone)."""
-        total = 0
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            if (task.name == str(self.proc.pid)) == main:
-                with suppress(OSError):
-                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                    total += int(fields[11]) + int(fields[12])
-        return total / os.sysconf("SC_CLK_TCK")
+        return sum(stat_seconds(task / "stat", 11, 13)
+                   for task in Path(f"/proc/{self.proc.pid}/task").iterdir()
+                   if (task.name == str(self.proc.pid)) == main)
 
     def reaped_children_cpu(self) -> float:
         """CPU seconds of the daemon's child processes that have exited: the
         unwind table compilers (the long-lived children never exit)."""
-        with suppress(OSError):
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
-        return 0.0
+        return stat_seconds(Path(f"/proc/{self.proc.pid}/stat"), 13, 15)  # cutime, cstime
 
     def children_cpu(self) -> float:
         """CPU seconds of the daemon's child processes, live (the unwind
         table compilers) and reaped."""
-        total = 0
-        for stat in [Path(f"/proc/{self.proc.pid}/stat"), *self._child_stats()]:
-            with suppress(OSError):
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                if stat.parent.name == str(self.proc.pid):
-                    total += int(fields[13]) + int(fields[14])  # cutime, cstime
-                else:
-                    total += int(fields[11]) + int(fields[12])
-        return total / os.sysconf("SC_CLK_TCK")
+        return (self.reaped_children_cpu()
+                + sum(stat_seconds(stat, 11, 13) for stat in self._child_stats()))
 
     def _child_stats(self) -> Iterator[Path]:
         for entry in Path("/proc").iterdir():
@@ -368,12 +359,18 @@ class Result:
     processes: float = 0.0
 
     @property
+    def heap_collection_percent(self) -> float | None:
+        """The window's CPU in whole-heap collections (None: not told)."""
+        if self.heap_collections is None:
+            return None
+        return self.heap_collections[1] / self.window_s * 100
+
+    @property
     def steady_cpu_percent(self) -> float:
         """The window's CPU without the one-off work in it: table builds and
         whole-heap collections."""
-        collections = self.heap_collections[1] if self.heap_collections else 0.0
         return (self.cpu_percent - self.children_cpu_percent
-                - collections / self.window_s * 100)
+                - (self.heap_collection_percent or 0.0))
 
 
 def drain_count(daemon: LoggedDaemon) -> tuple[float, float]:
@@ -651,9 +648,8 @@ def report(results: list[Result]) -> None:
             for r in results])
     # Steady state meets one every hour at most: the window's CPU without them.
     row("  less whole-heap collections", [
-        "n/a" if r.heap_collections is None
-        else f"{r.cpu_percent - r.heap_collections[1] / r.window_s * 100:.2f}"
-        for r in results])
+        "n/a" if r.heap_collection_percent is None
+        else f"{r.cpu_percent - r.heap_collection_percent:.2f}" for r in results])
     # An object first sampled in the window has its unwind table compiled
     # then (once per object for the daemon's life: 0.1-1 CPU s each).
     row("  of it unwind table builds (children)", [
