@@ -34,6 +34,7 @@ from tests.e2e.prometheus import PROMETHEUS, PrometheusServer, free_port
 from tests.e2e.test_daemon import (
     Daemon,
     daemon,  # noqa: F401  (fixture)
+    thread_cpu_seconds,
 )
 from tests.e2e.test_prometheus_scrape import wait_for
 from tests.unit.test_dashboard import all_panels, load_dashboard, substitute_with
@@ -88,12 +89,12 @@ def servers() -> Iterator[Callable[..., PrometheusServer]]:
 class CpuClock:
     """The CPU time the kernel accounts to a process, polled in the background,
     so that sample rates can be compared with what the process really ran.
-    With ``tid``, one thread's, to the nanosecond (its schedstat: the
-    daemon's few milliseconds a second are below the clock tick's reach)."""
+    With ``tid``, one thread's, to the nanosecond (the daemon's few
+    milliseconds a second are below the clock tick's reach)."""
 
     def __init__(self, pid: int, tid: int | None = None) -> None:
         self.pid = pid
-        self.read = self._process if tid is None else partial(self._thread, tid)
+        self.read = self._process if tid is None else partial(thread_cpu_seconds, pid, tid)
         self.readings: list[tuple[float, float]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
@@ -105,10 +106,6 @@ class CpuClock:
         # utime and stime, fields 14 and 15 of stat: indexes 11 and 12 of
         # what follows the process name.
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def _thread(self, tid: int) -> float:
-        with open(f"/proc/{self.pid}/task/{tid}/schedstat") as f:
-            return int(f.read().split()[0]) / 1e9  # nanoseconds on a CPU
 
     def _poll(self) -> None:
         while not self.stop.wait(0.2):
