@@ -956,29 +956,38 @@ tramprof_duty_stop_locked(void)
  * Cost of a call through the hook (ABI.md section 8, call_cost_ps): the extra
  * CPU time of one Python-to-Python call through the hook and a stub, against
  * the default evaluator. One round runs a short recursion without the hook,
- * then a copy of it with the hook. A single round is within about +-25% of
- * what the same process measures over seconds (shared CPUs: caches,
- * frequency, neighbours), so the published cost is the median of the last
- * rounds, and rounds go on while the program runs: one a second until
- * TRAMPROF_CAL_KEPT were taken, then one a minute (~1 ms each). Later rounds
+ * a copy of it with the hook, then the first again, so that a drift within
+ * the round (caches warming after a migration, the clock speed) weighs on
+ * both alike. A single round is within about +-25% of what the same process
+ * measures over seconds (shared CPUs: caches, frequency, neighbours), and
+ * the cost differs from one CPU to the other and from one stretch of
+ * seconds to the next, so the published cost is the mean of the middle half
+ * of the last rounds, and rounds go on while the program runs: about one a
+ * second until TRAMPROF_CAL_KEPT were taken, then about one a minute (~1 ms
+ * each). The interval is drawn at random (half to one and a half times
+ * that): at a fixed cadence the rounds kept landing at the same point of
+ * anything periodic on the machine (a process moved between two CPUs every
+ * quarter second: for 20 s every round ran on the same one). Later rounds
  * run as pending calls in the main thread, where an exception that a signal
  * handler raises meanwhile goes on to the program, as it would have anyway.
  * ---------------------------------------------------------------------- */
 enum {
     TRAMPROF_CAL_DEPTH = 12,        /* fib(12): 465 calls, 12 deep, like call-heavy code */
     TRAMPROF_CAL_FIB_CALLS = 465,
-    TRAMPROF_CAL_REPEAT = 20,       /* recursions per half round (~0.3 ms) */
+    TRAMPROF_CAL_REPEAT = 20,       /* recursions with the hook, and without (~0.3 ms each) */
     TRAMPROF_CAL_FIRST_ROUNDS = 7,  /* at the first activation */
-    TRAMPROF_CAL_KEPT = 32,         /* rounds the median is taken over */
+    TRAMPROF_CAL_KEPT = 32,         /* rounds the published cost is taken over */
 };
-#define TRAMPROF_CAL_EARLY_NS 1000000000ULL    /* between rounds, until KEPT rounds */
-#define TRAMPROF_CAL_LATE_NS 60000000000ULL    /* between rounds afterwards */
+#define TRAMPROF_CAL_EARLY_NS 1000000000ULL    /* between rounds (mean), until KEPT rounds */
+#define TRAMPROF_CAL_LATE_NS 60000000000ULL    /* between rounds (mean) afterwards */
 static PyObject *tramprof_cal_fn[2];           /* the recursions, off and on (kept) */
 static PyObject *tramprof_cal_depth;
 static int64_t tramprof_cal_costs[TRAMPROF_CAL_KEPT];   /* ps per call, a ring */
 static uint64_t tramprof_cal_rounds;           /* rounds recorded so far */
 static uint64_t tramprof_cal_next_ns;          /* CLOCK_MONOTONIC of the next round */
 static int tramprof_cal_scheduled;             /* a pending call is queued */
+static unsigned tramprof_cal_seed;             /* rand_r state of the intervals */
+static pid_t tramprof_cal_seed_pid;            /* ... seeded in this process (not a fork parent) */
 /* With the GIL: the recursions, compiled once. 0, or -1 with an exception.
  * Two copies of one function: one only ever runs without the hook, the
  * other only with it, so each stays specialised for its evaluator as a
@@ -1035,7 +1044,12 @@ tramprof_cal_round(PyInterpreterState *interp, int64_t *cost)
     int rc = 0;
     tramprof_cal_saved = _PyInterpreterState_GetEvalFrameFunc(interp);
     tramprof_calibrating = 1;
-    for (int on = 0; on < 2 && rc == 0; on++) {
+    /* Without the hook, with it, without it again: half the repeats each
+     * time without it, so that both sets sit around the same middle. */
+    static const int order[3] = {0, 1, 0};
+    for (int step = 0; step < 3 && rc == 0; step++) {
+        int on = order[step];
+        int repeat = on ? TRAMPROF_CAL_REPEAT : TRAMPROF_CAL_REPEAT / 2;
         if (mine != NULL && _PyInterpreterState_GetEvalFrameFunc(interp) != mine) {
             rc = 1;
             break;
@@ -1044,13 +1058,13 @@ tramprof_cal_round(PyInterpreterState *interp, int64_t *cost)
         _PyInterpreterState_SetEvalFrameFunc(interp, mine);
         uint64_t calls = tramprof_descriptor.hook_calls;
         uint64_t began = tramprof_clock_ns(CLOCK_THREAD_CPUTIME_ID);
-        for (int i = 0; i < TRAMPROF_CAL_REPEAT && rc == 0; i++) {
+        for (int i = 0; i < repeat && rc == 0; i++) {
             PyObject *result = PyObject_CallOneArg(tramprof_cal_fn[on], tramprof_cal_depth);
             if (result == NULL)
                 rc = -1;
             Py_XDECREF(result);
         }
-        spent[on] = tramprof_clock_ns(CLOCK_THREAD_CPUTIME_ID) - began;
+        spent[on] += tramprof_clock_ns(CLOCK_THREAD_CPUTIME_ID) - began;
         if (on && rc == 0 && tramprof_descriptor.hook_calls >= calls + (uint64_t)(
                 TRAMPROF_CAL_REPEAT * TRAMPROF_CAL_FIB_CALLS))
             /* hook_calls counts the program's calls, not these */
@@ -1067,7 +1081,11 @@ tramprof_cal_round(PyInterpreterState *interp, int64_t *cost)
     return rc;
 }
 
-/* Keeps a round's cost and publishes the median of the kept ones. */
+/* Keeps a round's cost and publishes the mean of the middle half of the
+ * kept ones: robust to a round that a preemption or a migration upset, as a
+ * median is, but where the rounds fall in two groups (two CPUs, two
+ * stretches of time) it lies between them, as the program's cost does, not
+ * on whichever group has one round more. */
 static void
 tramprof_cal_record(int64_t cost)
 {
@@ -1082,9 +1100,13 @@ tramprof_cal_record(int64_t cost)
             sorted[j] = sorted[j - 1];
         sorted[j] = tramprof_cal_costs[i];
     }
-    int64_t median = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
-    if (median > 0)
-        __atomic_store_n(&tramprof_descriptor.call_cost_ps, (uint64_t)median, __ATOMIC_RELAXED);
+    unsigned trim = n / 4;
+    int64_t sum = 0;
+    for (unsigned i = trim; i < n - trim; i++)
+        sum += sorted[i];
+    int64_t mean = sum / (int64_t)(n - 2 * trim);
+    if (mean > 0)
+        __atomic_store_n(&tramprof_descriptor.call_cost_ps, (uint64_t)mean, __ATOMIC_RELAXED);
 }
 
 /* Drops the exception a round's own calls can raise (the program may be
@@ -1098,6 +1120,23 @@ tramprof_cal_own_error(void)
         return 1;
     }
     return 0;
+}
+
+/* The wait before the next round: about a second until the kept rounds
+ * were taken, then about a minute, drawn from half to one and a half times
+ * that. */
+static uint64_t
+tramprof_cal_interval_ns(void)
+{
+    pid_t pid = getpid();
+    if (tramprof_cal_seed_pid != pid) {   /* first use, or a fork child's */
+        tramprof_cal_seed = (unsigned)pid ^ (unsigned)tramprof_clock_ns(CLOCK_MONOTONIC);
+        tramprof_cal_seed_pid = pid;
+    }
+    uint64_t mean = tramprof_cal_rounds < TRAMPROF_CAL_KEPT
+        ? TRAMPROF_CAL_EARLY_NS : TRAMPROF_CAL_LATE_NS;
+    uint64_t draw = (uint64_t)rand_r(&tramprof_cal_seed) % 1000;   /* 0..999 */
+    return mean / 2 + mean / 1000 * draw;
 }
 
 /* At the first activation, with the GIL and the default evaluator. */
@@ -1115,7 +1154,7 @@ tramprof_calibrate(PyInterpreterState *interp)
     }
     if (PyErr_Occurred())
         PyErr_Clear();
-    tramprof_cal_next_ns = tramprof_clock_ns(CLOCK_MONOTONIC) + TRAMPROF_CAL_EARLY_NS;
+    tramprof_cal_next_ns = tramprof_clock_ns(CLOCK_MONOTONIC) + tramprof_cal_interval_ns();
 }
 
 /* A later round, as a pending call (main thread, GIL, no exception set). */
@@ -1149,8 +1188,7 @@ tramprof_cal_maybe_schedule(void)
     uint64_t now = tramprof_clock_ns(CLOCK_MONOTONIC);
     if (now < tramprof_cal_next_ns)
         return;
-    tramprof_cal_next_ns = now + (tramprof_cal_rounds < TRAMPROF_CAL_KEPT
-                                  ? TRAMPROF_CAL_EARLY_NS : TRAMPROF_CAL_LATE_NS);
+    tramprof_cal_next_ns = now + tramprof_cal_interval_ns();
     if (Py_AddPendingCall(tramprof_cal_pending, NULL) == 0)
         tramprof_cal_scheduled = 1;
 }
