@@ -67,9 +67,9 @@ SWAP_SECONDS = 0.25
 #: seen: 0.60-1.25 over six processes here (CPUs swapped every SWAP_SECONDS),
 #: 0.71-0.98 over four more once the runtime measured at random intervals;
 #: one CI run had 1.47 when it measured once a second, a cadence locked to
-#: the swaps (every round for 20 s on one CPU, 1.4x slower than the other
-#: here). A copy of a function costs up to 1.4x another: this range is the
-#: estimate's, not the loss's, precision.
+#: the swaps (here every round ran on one CPU for 15 s at a time, and such
+#: stretches differed by up to 1.5x). A copy of a function costs up to 1.4x
+#: another: this range is the estimate's, not the loss's, precision.
 ESTIMATE_RANGE = (0.6, 1.5)
 #: How far one phase's loss may sit from another's for the same share of
 #: hook-on time: three always-on phases of one run lost 0.296-0.308 here; on

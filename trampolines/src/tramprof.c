@@ -967,7 +967,8 @@ tramprof_duty_stop_locked(void)
  * each). The interval is drawn at random (half to one and a half times
  * that): at a fixed cadence the rounds kept landing at the same point of
  * anything periodic on the machine (a process moved between two CPUs every
- * quarter second: for 20 s every round ran on the same one). Later rounds
+ * quarter second: every round ran on the same one for 15 s at a time, and
+ * the cost of such stretches differed by up to 1.5x). Later rounds
  * run as pending calls in the main thread, where an exception that a signal
  * handler raises meanwhile goes on to the program, as it would have anyway.
  * ---------------------------------------------------------------------- */
