@@ -885,11 +885,18 @@ tramprof_duty_sleep(unsigned generation, uint64_t ns)
     }
 }
 
+/* A rand_r state that differs between processes and between runs. */
+static unsigned
+tramprof_new_seed(void)
+{
+    return (unsigned)getpid() ^ (unsigned)tramprof_clock_ns(CLOCK_MONOTONIC);
+}
+
 static void *
 tramprof_duty_main(void *arg)
 {
     unsigned generation = (unsigned)(uintptr_t)arg;
-    unsigned seed = (unsigned)getpid() ^ (unsigned)tramprof_clock_ns(CLOCK_MONOTONIC);
+    unsigned seed = tramprof_new_seed();
     while (1) {
         uint32_t duty = __atomic_load_n(&tramprof_descriptor.duty_ppm, __ATOMIC_RELAXED);
         uint64_t window = __atomic_load_n(&tramprof_descriptor.window_us, __ATOMIC_RELAXED);
@@ -988,7 +995,7 @@ static uint64_t tramprof_cal_rounds;           /* rounds recorded so far */
 static uint64_t tramprof_cal_next_ns;          /* CLOCK_MONOTONIC of the next round */
 static int tramprof_cal_scheduled;             /* a pending call is queued */
 static unsigned tramprof_cal_seed;             /* rand_r state of the intervals */
-static pid_t tramprof_cal_seed_pid;            /* ... seeded in this process (not a fork parent) */
+static int tramprof_cal_seeded;                /* ... drawn in this process (0 again after fork) */
 /* With the GIL: the recursions, compiled once. 0, or -1 with an exception.
  * Two copies of one function: one only ever runs without the hook, the
  * other only with it, so each stays specialised for its evaluator as a
@@ -1129,10 +1136,9 @@ tramprof_cal_own_error(void)
 static uint64_t
 tramprof_cal_interval_ns(void)
 {
-    pid_t pid = getpid();
-    if (tramprof_cal_seed_pid != pid) {   /* first use, or a fork child's */
-        tramprof_cal_seed = (unsigned)pid ^ (unsigned)tramprof_clock_ns(CLOCK_MONOTONIC);
-        tramprof_cal_seed_pid = pid;
+    if (!tramprof_cal_seeded) {
+        tramprof_cal_seed = tramprof_new_seed();
+        tramprof_cal_seeded = 1;
     }
     uint64_t mean = tramprof_cal_rounds < TRAMPROF_CAL_KEPT
         ? TRAMPROF_CAL_EARLY_NS : TRAMPROF_CAL_LATE_NS;
@@ -1359,6 +1365,7 @@ tramprof_after_fork_child(char *err, size_t errlen)
     __atomic_store_n(&tramprof_descriptor.hook_calls, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&tramprof_descriptor.off_ns, 0, __ATOMIC_RELAXED);
     tramprof_cal_scheduled = 0;
+    tramprof_cal_seeded = 0;    /* not the parent's waits */
     if (tramprof_descriptor.state != 0 || tramprof_mode_value != 0) {
         tramprof_descriptor.pid = (uint32_t)getpid();
         tramprof_bump_generation();
