@@ -61,9 +61,9 @@ class ProcessSamples:
 #: processes and unwinding modes; ``heap`` is the collector's and the
 #: allocator's step after it (``pipeline.heap``); ``aggregate`` publishes
 #: the figures and adds the stacks to the metric series and the windows kept
-#: for /profile; and
-#: ``process_events``, between drains, reads newly sampled processes while
-#: they run, takes lifecycle events and refreshes the unwinding modes.
+#: for /profile; and ``process_events``, between drains, reads newly sampled
+#: processes while they run, takes lifecycle events and refreshes the
+#: unwinding modes.
 MAIN_THREAD_STAGES = ("drain", "heap", "aggregate", "process_events")
 
 
