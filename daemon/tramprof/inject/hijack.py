@@ -42,19 +42,20 @@ If the tracer dies in step 4 or 5, the stub's own epilogue puts the thread
 back (restarting its system call like the kernel would), so the target keeps
 running. The only window where the tracer's death would leave the thread in
 a changed state is step 2 (one single-step of ``mmap``, tens of
-microseconds). The two pages stay mapped (8 KiB per injection).
+microseconds). The two pages stay mapped (8 KiB per call queued).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import struct
 import time
 from dataclasses import dataclass
 
 from tramprof.inject import ptrace
-from tramprof.inject.target import Target, pause_point
+from tramprof.inject.target import Target, main_thread_running, pause_point
 from tramprof.procfs.memory import read_memory
 
 PAGE_BYTES = 8192
@@ -224,6 +225,7 @@ def _schedule(target: Target, code: str, step_seconds: float) -> Scheduled:
     run_function = target.interpreter.symbols["PyRun_SimpleString"]
     add_pending = target.interpreter.symbols["Py_AddPendingCall"]
     encoded = code.encode()
+    _check_running(target)
     tid = choose_thread(target.pid, target.version)
     assemble_stub()          # everything that can be done before the stop is done
     ptrace.libc()
@@ -232,6 +234,9 @@ def _schedule(target: Target, code: str, step_seconds: float) -> Scheduled:
     try:
         tracee.seize_and_stop(time.monotonic() + step_seconds)
         stopped_at = time.monotonic()
+        # Again with a thread held: now its process cannot be reaped, nor its
+        # pid given to another, until we let go.
+        _check_running(target)
         saved = tracee.getregs()
         pause_point("seized")
         page = _map_page(target, tracee, saved, step_seconds)
@@ -257,6 +262,12 @@ def _schedule(target: Target, code: str, step_seconds: float) -> Scheduled:
             with contextlib.suppress(ptrace.PtraceError):
                 tracee.detach()
         raise
+
+
+def _check_running(target: Target) -> None:
+    if not main_thread_running(target):
+        raise ptrace.TraceeGone(errno.ESRCH, f"process {target.pid} exited (or its main "
+                                "thread did) before the call was queued")
 
 
 def _map_page(target: Target, tracee: ptrace.Tracee, saved: ptrace.Regs,

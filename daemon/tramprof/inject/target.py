@@ -23,7 +23,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
 from tramprof.model import SymbolizationError
-from tramprof.procfs.identity import read_start_ticks, read_status_ids
+from tramprof.procfs.identity import read_start_ticks, read_stat, read_status_ids
 from tramprof.procfs.maps import Mapping, read_maps
 from tramprof.procfs.memory import MemoryReadError, read_memory
 from tramprof.symbols.safeopen import Refusal, open_mapping, open_untrusted
@@ -346,6 +346,16 @@ def inspect(pid: int, proc_root: str = "/proc", *, for_off: bool = False) -> Tar
     return Target(pid=pid, nspid=nspid, euid=euid, egid=egid, start_ticks=start_ticks,
                   version=version, version_hex=version_hex, interpreter=interp,
                   mappings=tuple(mappings))
+
+
+def main_thread_running(target: Target, proc_root: str = "/proc") -> bool:
+    """The process inspected is still there (not another one given its pid)
+    and its main thread, the one that runs pending calls, has not exited."""
+    try:
+        stat = read_stat(target.pid, proc_root)
+    except (OSError, SymbolizationError, ValueError, IndexError):
+        return False
+    return stat.start_ticks == target.start_ticks and stat.state not in ("Z", "X", "x")
 
 
 def pause_point(name: str) -> None:
