@@ -176,3 +176,36 @@ def test_timeout_when_the_target_refuses_the_script(runtime_dir: Path) -> None:
     assert "a thread took the request but the script reported nothing" in result.detail
     assert (proc.returncode, out.split()) == (0, ["False"]), err[-3000:]
     assert "Audit hook failed for remote debugger script" in err, err[-3000:]
+
+
+# 3.9-3.13: the main thread waits in C while another thread ends the process.
+# The call queued again once nothing answers finds the process gone, and
+# says so: never a timeout, never a call into another process given its pid.
+EXITS_WHILE_MAIN_WAITS = """\
+import os, threading, time
+print("ready", flush=True)
+def leave():
+    time.sleep(1.5)
+    os._exit(0)
+threading.Thread(target=leave).start()
+threading.Event().wait()
+"""
+
+
+def test_gone_when_the_target_exits_before_its_main_thread_runs_the_call(
+        runtime_dir: Path) -> None:
+    python = make_python("host-3.11")
+    python.host_path(f"{python.workdir}/exits.py").write_text(EXITS_WHILE_MAIN_WAITS)
+    proc, pid = python.start(f"{python.workdir}/exits.py")
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        began = time.monotonic()
+        result = inject(pid, timeout=20.0, runtimes=RuntimeStore(runtime_dir))
+        took = time.monotonic() - began
+    finally:
+        out, err = proc.communicate(timeout=60)
+    assert result.result == "gone", result.render()
+    assert "exited" in result.detail, result.detail
+    assert took < 10.0, result.render()      # found at the next call, not at the deadline
+    assert (proc.returncode, out, err) == (0, "", ""), err[-3000:]

@@ -53,6 +53,11 @@ MAIN_THREAD_GRACE = 0.5
 #: 3.14+: then, how often every thread is asked again while no answer came
 #: (a request taken can fail before the script starts; see pep768).
 REASK_EVERY = 1.0
+#: 3.9-3.13: the pause before the pending call is queued again while no
+#: answer came; each further pause is twice the last (queued at 0, 1, 3, 7,
+#: 15 s...). The first call to start claims the activation, later ones return
+#: at once; each costs a stop of well under a millisecond and 8 KiB of code.
+PENDING_REASK_AFTER = 1.0
 #: Activation failures that tell where the activation happened to run, not
 #: what the target is: deep in a recursion, near its limit (a test of the
 #: recursion limit, a recursive parser), or short of memory for a moment.
@@ -138,10 +143,16 @@ def inject(pid: int, *, off: bool = False, timeout: float = 5.0,
     return result
 
 
-def _timeout_detail(timeout: float, method: str, none_taken: bool | None) -> str:
+def _timeout_detail(timeout: float, method: str, none_taken: bool | None,
+                    asked: int) -> str:
     """Why no answer came, as far as the request's state tells."""
     detail = f"the interpreter did not run the activation within {timeout:g} s"
-    if method != "pep768" or none_taken is None:
+    if method == "ptrace":
+        return (detail + f" (queued {asked} time{'s' if asked != 1 else ''}: it runs at the "
+                "next point where the main thread executes Python code; if it ran a few "
+                "frames short of the recursion limit, it failed before it could answer and "
+                "the target's stderr shows a RecursionError)")
+    if none_taken is None:
         return (detail + " (it runs at the next point where the main thread executes "
                 "Python code)")
     if none_taken:
@@ -176,6 +187,7 @@ def _inject_once(pid: int, off: bool, timeout: float, runtimes: RuntimeStore | N
     method = "pep768" if target.version >= PEP768_FROM else "ptrace"
     stop = 0.0
     none_taken: bool | None = None   # pep768: whether any asked thread took the request
+    asked = 0                        # ptrace: pending calls queued
     try:
         result_path = placed.write("result", b"", target.euid, target.egid)
         runtime_path = (placed.write(RUNTIME_NAME, runtime, target.euid, target.egid)
@@ -212,13 +224,26 @@ def _inject_once(pid: int, off: bool, timeout: float, runtimes: RuntimeStore | N
                         none_taken = remote.withdraw_main()
                     time.sleep(_WITHDRAW_GRACE)
         else:
-            scheduled = hijack.schedule_pending_call(target, code)
-            stop = scheduled.stop_seconds
-            if scheduled.result != 0:
-                return Result(pid, FAILED, f"Py_AddPendingCall returned {scheduled.result} "
-                              "(its queue is full)", method, version=version,
-                              stop_seconds=stop)
-            outcome = _wait_outcome(lambda: placed.read("result"), deadline)
+            # Queued again while no answer comes, after pauses that double: a
+            # call that ran where its statement cannot even compile (at or a
+            # few frames short of the recursion limit) left nothing to report.
+            pause = PENDING_REASK_AFTER
+            while True:
+                scheduled = hijack.schedule_pending_call(target, code)
+                stop += scheduled.stop_seconds
+                asked += 1
+                if scheduled.result != 0 and asked == 1:
+                    return Result(pid, FAILED, f"Py_AddPendingCall returned {scheduled.result} "
+                                  "(its queue is full)", method, version=version,
+                                  stop_seconds=stop)
+                if asked > 1:
+                    log.info("pid %d: no answer to the pending call; queued it again", pid)
+                queue_full = scheduled.result != 0      # then wait for what is queued
+                wait_until = deadline if queue_full else min(deadline, time.monotonic() + pause)
+                outcome = _wait_outcome(lambda: placed.read("result"), wait_until)
+                if outcome is not None or time.monotonic() >= deadline:
+                    break
+                pause *= 2
     except Refused as refused:
         return Result(pid, refused.reason, refused.detail, method, version=version,
                       stop_seconds=stop)
@@ -237,7 +262,7 @@ def _inject_once(pid: int, off: bool, timeout: float, runtimes: RuntimeStore | N
         placed.remove()
     elapsed = time.monotonic() - began
     if outcome is None:
-        return Result(pid, TIMEOUT, _timeout_detail(timeout, method, none_taken), method,
+        return Result(pid, TIMEOUT, _timeout_detail(timeout, method, none_taken, asked), method,
                       version=version, stop_seconds=stop, seconds=elapsed)
     if outcome.status == "ok":
         detail = f"{outcome.mode} trampolines {'off' if off else 'on'}"
