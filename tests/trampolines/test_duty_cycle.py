@@ -89,7 +89,7 @@ ROUND = {"a_rec": (16, 16, 15), "b_rec": (16, 15), "c_rec": (16,)}
 #: Always on, 0.004-0.013 here (three runs) and 0.031 in one CI run (a_rec
 #: 0.531 for 0.500): the hook is a quarter of the time then, and its cost per
 #: call differs by where a function's code and stub land (up to 1.4x). At
-#: budget 0.05, 0.001-0.006 here and 0.010 in that run. (Compared with each
+#: budget 0.05, 0.002-0.005 here and 0.010 in that run. (Compared with each
 #: other, as this test first did, the two phases of that run were 0.034 apart.)
 SHARE_SPREAD = 0.04
 #: Every Python function of the workload, outermost first.
