@@ -355,7 +355,7 @@ def main_thread_running(target: Target, proc_root: str = "/proc") -> bool:
         stat = read_stat(target.pid, proc_root)
     except (OSError, SymbolizationError, ValueError, IndexError):
         return False
-    return stat.start_ticks == target.start_ticks and stat.state not in ("Z", "X", "x")
+    return stat.start_ticks == target.start_ticks and not stat.leader_exited
 
 
 def pause_point(name: str) -> None:

@@ -92,13 +92,19 @@ class ProcStat:
         return (self.start_code, self.end_code, self.start_stack)
 
     @property
+    def leader_exited(self) -> bool:
+        """The thread-group leader (the main thread) has exited; other
+        threads may still run."""
+        return self.state in ("Z", "X", "x")
+
+    @property
     def is_dead(self) -> bool:
         """Exited but not yet reaped: its memory and mappings are gone.
 
         A zombie thread-group leader whose other threads still run is alive
         (``num_threads`` counts them), so it is not dead.
         """
-        return self.state in ("Z", "X", "x") and self.num_threads <= 1
+        return self.leader_exited and self.num_threads <= 1
 
 
 def boottime_ns_to_ticks(ns: int, clk_tck: int | None = None) -> int:
