@@ -11,7 +11,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from tramprof.procfs.memory import MAX_READ_BYTES, MemoryReadError, OpenMemory, read_memory
+from tramprof.procfs.memory import (
+    MAX_READ_BYTES,
+    MAX_WRITE_BYTES,
+    MemoryReadError,
+    OpenMemory,
+    read_memory,
+    write_memory,
+)
 
 # A page every child maps at the same address and fills with its first
 # argument; with more, it execs itself (its code is in CHILD_CODE) with the rest.
@@ -114,3 +121,25 @@ def test_sizes_beyond_the_bound_are_refused_before_opening(tmp_path: Path) -> No
     with pytest.raises(MemoryReadError, match="cannot open"):
         memory.read(os.getpid(), ADDRESS, 8)
     assert len(memory) == 0
+
+
+def test_a_write_lands_in_the_process_and_bad_writes_are_refused() -> None:
+    with child("control word") as proc:
+        write_memory(proc.pid, ADDRESS + 8, b"WORD")
+        assert read_memory(proc.pid, ADDRESS, 12) == b"control WORD"
+        for data in (b"", b"x" * (MAX_WRITE_BYTES + 1)):
+            with pytest.raises(MemoryReadError, match="refusing to write"):
+                write_memory(proc.pid, ADDRESS, data)
+        with pytest.raises(MemoryReadError, match="Bad address"):
+            write_memory(proc.pid, ADDRESS + (1 << 30), b"WORD")  # nothing mapped there
+        # Across the end of the page: the part that fits is not a success.
+        with pytest.raises(MemoryReadError):
+            write_memory(proc.pid, ADDRESS + 4094, b"WORD")
+        assert read_memory(proc.pid, ADDRESS, 12) == b"control WORD"
+
+
+def test_a_write_to_a_process_that_exited_is_an_error() -> None:
+    with child("gone") as proc:
+        pid = proc.pid
+    with pytest.raises(MemoryReadError):
+        write_memory(pid, ADDRESS, b"WORD")

@@ -31,8 +31,10 @@ CAP_DAC_READ_SEARCH
     The ptrace check comes on top of plain file permissions: /proc/PID/mem
     is mode 0600 and /proc/PID/map_files mode 0500, both owned by the
     process's user, and a binary may sit below a 0700 home directory. The
-    daemon only reads, so the read/search override is enough;
-    CAP_DAC_OVERRIDE (write anywhere) is not kept.
+    daemon only reads these files, so the read/search override is enough;
+    CAP_DAC_OVERRIDE (write anywhere) is not kept. Its writes into a process
+    (a runtime's duty cycle under a budget, an injection's request) go
+    through process_vm_writev, which the ptrace check alone guards.
 CAP_CHECKPOINT_RESTORE
     Following a /proc/PID/map_files/START-END link (how every mapped object
     is opened first; the only way to deleted binaries and memfd JIT code) needs

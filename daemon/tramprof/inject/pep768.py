@@ -32,9 +32,6 @@ So while no answer comes, the threads are asked again every
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import os
 import struct
 import time
 from dataclasses import dataclass
@@ -47,7 +44,7 @@ from tramprof.inject.target import (
     Target,
     pause_point,
 )
-from tramprof.procfs.memory import read_memory
+from tramprof.procfs.memory import read_memory, write_memory
 
 COOKIE = b"xdebugpy"
 PLEASE_STOP_BIT = 1 << 5
@@ -119,26 +116,6 @@ def read_offsets(target: Target, proc_root: str = "/proc") -> Offsets:
 
 def _word(pid: int, address: int, proc_root: str) -> int:
     return int(struct.unpack("<Q", read_memory(pid, address, 8, proc_root))[0])
-
-
-class _IoVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-def write_memory(pid: int, address: int, data: bytes) -> None:
-    """process_vm_writev: needs ptrace access to ``pid``, nothing else."""
-    lib = ptrace.libc()
-    buf = ctypes.create_string_buffer(data, len(data))
-    local = _IoVec(ctypes.cast(buf, ctypes.c_void_p), len(data))
-    remote = _IoVec(ctypes.c_void_p(address), len(data))
-    ctypes.set_errno(0)
-    done = lib.syscall(ctypes.c_long(311), ctypes.c_long(pid), ctypes.byref(local),
-                       ctypes.c_ulong(1), ctypes.byref(remote), ctypes.c_ulong(1),
-                       ctypes.c_ulong(0))  # SYS_process_vm_writev on x86-64
-    if done != len(data):
-        err = ctypes.get_errno() or errno.EFAULT
-        raise OSError(err, f"cannot write {len(data)} bytes at {address:#x} of process "
-                      f"{pid}: {os.strerror(err)}")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The one reader (and writer) of another process's memory (``/proc/PID/mem``).
+"""The one reader (``/proc/PID/mem``) and writer of another process's memory.
 
 What a process keeps in its memory is the attacker's to choose: a runtime
 descriptor can claim any address or size. Every read therefore goes through
@@ -11,9 +11,12 @@ or CAP_SYS_PTRACE.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import resource
 import weakref
+from typing import Any
 
 # The largest single read: a CPython trampoline arena is 64 KiB, a vdso 8 KiB,
 # a descriptor 136 bytes and its arena table 16 bytes per arena.
@@ -131,16 +134,58 @@ class OpenMemory:
             os.close(held[0])
 
 
-#: The largest single write: the only one written is a 4-byte control word.
-MAX_WRITE_BYTES = 64
+#: The largest single write: a 4-byte control word, or a PEP 768 script path
+#: (CPython's buffer for it is 512 bytes).
+MAX_WRITE_BYTES = 512
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+@functools.cache
+def _process_vm_writev() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    function = libc.process_vm_writev
+    function.restype = ctypes.c_ssize_t
+    function.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                         ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    return function
 
 
 def write_memory(pid: int, address: int, data: bytes, proc_root: str = "/proc") -> None:
     """Write ``data`` at ``address`` of process ``pid`` (a control word the
-    process published for profilers to set; raises ``MemoryReadError``).
-    Needs ptrace attach rights: the same uid, or CAP_SYS_PTRACE."""
+    process published for profilers to set, a request to the interpreter;
+    raises ``MemoryReadError``).
+
+    Under this namespace's ``/proc``, through ``process_vm_writev``: it needs
+    ptrace attach rights only (the same uid, or CAP_SYS_PTRACE), whereas
+    opening ``/proc/PID/mem`` for writing also needs write permission on a
+    file of mode 0600 owned by the target's user, which the daemon (running
+    as nobody, with CAP_DAC_READ_SEARCH but not CAP_DAC_OVERRIDE) lacks for
+    every other user's process. Under another proc root, whose pids are not
+    this namespace's, through its ``/proc/PID/mem``."""
     if not 0 < len(data) <= MAX_WRITE_BYTES:
         raise MemoryReadError(f"refusing to write {len(data)} bytes to process {pid}")
+    if proc_root != "/proc":
+        _write_through_mem(pid, address, data, proc_root)
+        return
+    if not 0 <= address < 1 << 64:
+        raise MemoryReadError(f"address {address:#x} is outside the address space")
+    buffer = ctypes.create_string_buffer(data, len(data))
+    local = _IoVec(ctypes.cast(buffer, ctypes.c_void_p), len(data))
+    remote = _IoVec(ctypes.c_void_p(address), len(data))
+    written = _process_vm_writev()(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if written < 0:
+        code = ctypes.get_errno()
+        raise MemoryReadError(code, f"cannot write {len(data)} bytes at {address:#x} of "
+                                    f"process {pid}: {os.strerror(code)}")
+    if written != len(data):
+        raise MemoryReadError(f"short write to process {pid} at {address:#x}: {written} of "
+                              f"{len(data)} bytes")
+
+
+def _write_through_mem(pid: int, address: int, data: bytes, proc_root: str) -> None:
     fd, path = _open_mem(pid, address, os.O_WRONLY, proc_root)
     try:
         written = os.pwrite(fd, data, address)
