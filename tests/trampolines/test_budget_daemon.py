@@ -1,0 +1,77 @@
+"""The Python overhead budget as shipped: ``tramprof run`` (its privileges
+dropped to nobody with CAP_SYS_PTRACE, as the service and the DaemonSet run
+it) sets the duty cycle of a runtime in a process of another user (root
+here). The duty-cycle test drives the pipeline in process, as root, so it
+cannot see what the dropped privileges forbid."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from tramprof.model import PYTHON_PAUSED
+
+from tests.e2e.test_daemon import Daemon
+
+from .conftest import Interp
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root: loads BPF programs"),
+    pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 stubs only"),
+]
+
+#: Recursive calls only: the hook's cost is a third of the time or more, so a
+#: budget of 0.05 keeps it on for about a seventh of the time.
+CALLS = """
+import sys
+def fib(n):
+    return n if n < 2 else fib(n - 1) + fib(n - 2)
+print("ready", flush=True)
+while True:
+    fib(20)
+"""
+BUDGET = 0.05
+#: Samples of the last window that must carry the paused marker: ~85% at the
+#: duty cycle this budget gives (0.13 measured on 3.13), none if it is never set.
+MIN_PAUSED_SHARE = 0.5
+#: Seconds the daemon gets to measure the cost and set the duty cycle (it
+#: drains every 0.25 s; the runtime measures its cost about once a second).
+SETTLE_SECONDS = 20.0
+WINDOW_SECONDS = 3
+
+
+def paused_share(d: Daemon, pid: int) -> tuple[float, int]:
+    folded = d.get(f"/profile?seconds={WINDOW_SECONDS}&format=folded&pid={pid}")
+    total = paused = 0
+    for line in folded.splitlines():
+        stack, _, count = line.rpartition(" ")
+        total += int(count)
+        paused += int(count) * (PYTHON_PAUSED in stack.split(";"))
+    return (paused / total if total else 0.0), total
+
+
+def test_the_daemon_sets_the_duty_cycle_of_another_users_process(
+        host_interp: Interp, started) -> None:
+    os.environ["TRAMPROF_PYTHON_OVERHEAD_BUDGET"] = str(BUDGET)
+    try:
+        daemon = Daemon("--interval", "0.25", "--frequency", "199")
+    finally:
+        del os.environ["TRAMPROF_PYTHON_OVERHEAD_BUDGET"]
+    try:
+        proc = host_interp.popen("-c", CALLS, env={"TRAMPROF_TRAMPOLINES": "1"})
+        started.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        share, total = 0.0, 0
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while time.monotonic() < deadline:
+            time.sleep(WINDOW_SECONDS)
+            share, total = paused_share(daemon, proc.pid)
+            if share >= MIN_PAUSED_SHARE and total >= 100:
+                break
+        refused = [line for line in daemon.log if "cannot set its duty cycle" in line]
+        assert not refused, refused[:3]
+        assert total >= 100, (total, daemon.log_tail())
+        assert share >= MIN_PAUSED_SHARE, (share, total, daemon.log_tail())
+    finally:
+        assert daemon.stop() == 0, "the daemon did not stop cleanly"
