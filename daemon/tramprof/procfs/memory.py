@@ -28,10 +28,14 @@ class MemoryReadError(OSError):
     or a size beyond ``MAX_READ_BYTES``)."""
 
 
-def _open_mem(pid: int, address: int, flags: int, proc_root: str) -> tuple[int, str]:
-    """(fd, path) of ``/proc/PID/mem`` after the address check."""
+def _check_address(address: int) -> None:
     if not 0 <= address < 1 << 64:
         raise MemoryReadError(f"address {address:#x} is outside the address space")
+
+
+def _open_mem(pid: int, address: int, flags: int, proc_root: str) -> tuple[int, str]:
+    """(fd, path) of ``/proc/PID/mem`` after the address check."""
+    _check_address(address)
     path = f"{proc_root}/{pid}/mem"
     try:
         return os.open(path, flags | os.O_CLOEXEC), path
@@ -170,8 +174,7 @@ def write_memory(pid: int, address: int, data: bytes, proc_root: str = "/proc") 
     if proc_root != "/proc":
         _write_through_mem(pid, address, data, proc_root)
         return
-    if not 0 <= address < 1 << 64:
-        raise MemoryReadError(f"address {address:#x} is outside the address space")
+    _check_address(address)
     buffer = ctypes.create_string_buffer(data, len(data))
     local = _IoVec(ctypes.cast(buffer, ctypes.c_void_p), len(data))
     remote = _IoVec(ctypes.c_void_p(address), len(data))
