@@ -13,18 +13,19 @@ import pytest
 from tramprof.model import PYTHON_PAUSED
 
 from tests.e2e.test_daemon import Daemon
+from tests.hostile.test_attacks import folded
 
 from .conftest import Interp
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: loads BPF programs"),
-    pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 stubs only"),
+    pytest.mark.skipif(os.uname().machine != "x86_64",
+                       reason="the runtime generates x86-64 code only"),
 ]
 
 #: Recursive calls only: the hook's cost is a third of the time or more, so a
 #: budget of 0.05 keeps it on for about a seventh of the time.
 CALLS = """
-import sys
 def fib(n):
     return n if n < 2 else fib(n - 1) + fib(n - 2)
 print("ready", flush=True)
@@ -42,12 +43,9 @@ WINDOW_SECONDS = 3
 
 
 def paused_share(d: Daemon, pid: int) -> tuple[float, int]:
-    folded = d.get(f"/profile?seconds={WINDOW_SECONDS}&format=folded&pid={pid}")
-    total = paused = 0
-    for line in folded.splitlines():
-        stack, _, count = line.rpartition(" ")
-        total += int(count)
-        paused += int(count) * (PYTHON_PAUSED in stack.split(";"))
+    stacks = folded(d, pid, WINDOW_SECONDS)
+    total = sum(stacks.values())
+    paused = sum(count for stack, count in stacks.items() if PYTHON_PAUSED in stack)
     return (paused / total if total else 0.0), total
 
 
