@@ -360,6 +360,13 @@ def panel_checks(central: PrometheusServer, d: Daemon, rate: tuple[float, float]
         assert 0.85 * main_thread_cores - 1e-4 <= total <= 1.15 * main_thread_cores + 1e-4, (
             stages, main_thread_cores)
 
+    def python_budget(queries: Queries) -> None:
+        (_, duty), (_, overhead), (_, refused) = queries
+        # No process under the trampoline runtime: no duty cycle, no
+        # estimate; the counter of refused writes is there from the start.
+        assert duty == [] and overhead == [], (duty, overhead)
+        assert values(refused, "instance") == {NODE: 0}, refused
+
     return {
         "Top functions by self CPU": top_self,
         "Top functions by total CPU": top_total,
@@ -374,6 +381,7 @@ def panel_checks(central: PrometheusServer, d: Daemon, rate: tuple[float, float]
         "User stacks by unwinding mode": unwind_modes,
         "Python frames lost or rejected": python_frames,
         "Profiler CPU by stage": cpu_by_stage,
+        "Python overhead budget": python_budget,
     }
 
 
@@ -412,7 +420,7 @@ def alert_states(central: PrometheusServer) -> dict[str, list[tuple[str, str]]]:
 def check_alert_rules(central: PrometheusServer) -> None:
     groups = central.get("/api/v1/rules")["groups"]
     rules = [r for g in groups for r in g["rules"]]
-    assert len(rules) == 14
+    assert len(rules) == 15
     for rule in rules:
         assert rule["health"] == "ok", rule
         assert rule["lastEvaluation"] != "0001-01-01T00:00:00Z", rule

@@ -71,5 +71,11 @@ def test_the_daemon_sets_the_duty_cycle_of_another_users_process(
         assert not refused, refused[:3]
         assert total >= 100, (total, daemon.log_tail())
         assert share >= MIN_PAUSED_SHARE, (share, total, daemon.log_tail())
+        # What a fleet sees of it: no refused write, and the one runtime
+        # process's exported duty cycle well below always on.
+        metrics = daemon.metrics()
+        assert metrics[("tramprof_python_duty_writes_failed_total", ())] == 0
+        duty = [v for (name, _), v in metrics.items() if name == "tramprof_python_duty_cycle"]
+        assert len(duty) == 1 and duty[0] <= 0.5, duty
     finally:
         assert daemon.stop() == 0, "the daemon did not stop cleanly"

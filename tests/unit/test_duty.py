@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -74,3 +76,37 @@ def test_without_a_budget_a_process_is_measured_every_unbudgeted_seconds(
     cycle.update(os.getpid(), replace(always, duty_ppm=500_000))
     assert reads[-1] == 125.0
     assert struct.unpack_from("<I", words.raw)[0] == DUTY_ALWAYS
+
+
+def test_a_refused_write_is_counted_and_logged_once_at_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The process runs but takes no write (here: the descriptor's address
+    is not mapped, EFAULT): counted at every attempt, so the metric shows a
+    budget that never takes effect; a warning the first time, debug after."""
+    cycle = DutyCycle(budget=0.0)
+    cycle.track(os.getpid(), 0x10 - DUTY_PPM_OFFSET)  # page 0: never mapped
+    caplog.set_level("DEBUG", logger=duty.__name__)
+    set_by_another = replace(state(0), duty_ppm=500_000)
+    for _ in range(3):
+        cycle.update(os.getpid(), set_by_another)
+    assert cycle.writes_failed == 3
+    refusals = [r for r in caplog.records if "cannot set its duty cycle" in r.getMessage()]
+    assert [r.levelname for r in refusals] == ["WARNING", "DEBUG", "DEBUG"]
+    assert "Bad address" in refusals[0].getMessage()
+
+
+def test_a_process_gone_before_the_write_is_not_a_refusal(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """It exits between the read of its CPU time and the write (ESRCH from
+    process_vm_writev): nothing to count, nothing to warn about."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names no process now
+    real_read_stat = duty.read_stat
+    monkeypatch.setattr(duty, "read_stat",
+                        lambda pid, proc_root="/proc": real_read_stat(os.getpid(), proc_root))
+    cycle = DutyCycle(budget=0.0)
+    cycle.track(child.pid, 0x10000)
+    caplog.set_level("DEBUG", logger=duty.__name__)
+    cycle.update(child.pid, replace(state(0), duty_ppm=500_000))
+    assert cycle.writes_failed == 0
+    assert not [r for r in caplog.records if "cannot set its duty cycle" in r.getMessage()]

@@ -51,7 +51,8 @@ def stats() -> ProfilerStats:
         bpf_run_time_ns=3_000_000, bpf_run_count=1000,
         heap_full_collections=2, heap_full_collection_seconds=0.75,
         main_thread_cpu_seconds={"drain": 1.5, "heap": 0.25, "aggregate": 0.5,
-                                 "process_events": 0.875})
+                                 "process_events": 0.875},
+        python_duty={"python3": (0.125, 0.0625)}, python_duty_writes_failed=6)
 
 
 @pytest.fixture
@@ -83,6 +84,9 @@ def test_collector_values(registry):
     assert {stage: get("tramprof_main_thread_cpu_seconds_total", {"stage": stage})
             for stage in ("drain", "heap", "aggregate", "process_events")} == \
         {"drain": 1.5, "heap": 0.25, "aggregate": 0.5, "process_events": 0.875}
+    assert get("tramprof_python_duty_cycle", {"process": "python3"}) == 0.125
+    assert get("tramprof_python_overhead_ratio", {"process": "python3"}) == 0.0625
+    assert get("tramprof_python_duty_writes_failed_total") == 6
 
 
 def test_main_thread_stages_start_at_zero():

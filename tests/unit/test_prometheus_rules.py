@@ -120,7 +120,7 @@ def test_alerts_are_labelled_and_explained() -> None:
     alerts = [r for r in all_rules() if "alert" in r]
     assert {a["alert"] for a in alerts} == {
         "TramprofDown", "TramprofNotReporting", "TramprofNotDraining", "TramprofLosingSamples",
-        "TramprofKernelStacksLost", "TramprofProcessEventsLost",
+        "TramprofKernelStacksLost", "TramprofProcessEventsLost", "TramprofPythonBudgetRefused",
         "TramprofSeriesBudgetExhausted", "TramprofNearSampleLimit"}
     for alert in alerts:
         assert alert["labels"]["severity"] in ("warning", "info"), alert["alert"]
@@ -147,7 +147,7 @@ def test_rule_files_pass_promtool_check() -> None:
     result = promtool("check", "rules", *map(str, RULE_FILES))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 6 rules found" in result.stdout
-    assert "SUCCESS: 8 rules found" in result.stdout
+    assert "SUCCESS: 9 rules found" in result.stdout
 
 
 @needs_promtool

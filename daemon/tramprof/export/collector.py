@@ -255,6 +255,7 @@ def _duty_families(stats: ProfilerStats) -> Iterator[Metric]:
         overhead.add_metric([process], ratio)
     yield duty
     yield overhead
+    yield _single(fam.PYTHON_DUTY_WRITES_FAILED, stats.python_duty_writes_failed)
 
 
 def _table_families(stats: ProfilerStats, bpf: dict[BpfCounter, int]) -> Iterator[Metric]:

@@ -278,6 +278,12 @@ PYTHON_OVERHEAD = Family(
     "Estimated share of those processes' time spent in trampolines at their duty cycle "
     "(mean over them): Python calls through the hook per second, times the extra cost of "
     "one call that each runtime measures while it runs.")
+PYTHON_DUTY_WRITES_FAILED = Family(
+    "tramprof_python_duty_writes_failed", "counter", (),
+    "Writes of a duty cycle (python_overhead_budget) into a trampoline runtime that the "
+    "running process refused: the daemon lacks the right to ptrace it (CAP_SYS_PTRACE, "
+    "Yama's ptrace_scope 3, a seccomp or LSM rule). Those processes stay always on, "
+    "whatever the budget; the log names them.")
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
     KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS,
@@ -287,8 +293,8 @@ ALL: tuple[Family, ...] = (
     CHAIN_INVALID, SCAN_STALE, SCAN_WINDOWS_EXHAUSTED, SCAN_OVERFLOWS, SCAN_REFUSALS,
     UNWIND_REFUSALS, UNWIND_TABLE_BYTES, UNWIND_TABLE_OBJECTS, UNWIND_TABLE_ROWS,
     UNWIND_TABLE_EVICTIONS, UNWIND_TABLE_BUILDS, UNWIND_TABLE_BUILD_SECONDS, UNWIND_TABLE_STOPS,
-    PYTHON_DUTY_CYCLE, PYTHON_OVERHEAD, PROCESS_ERRORS, INJECTIONS, SYMBOL_MEMORY,
-    SYMBOL_EVICTIONS, ADDRESS_CACHE, ADDRESS_CACHE_EVICTIONS, STACKS_NAMED,
+    PYTHON_DUTY_CYCLE, PYTHON_OVERHEAD, PYTHON_DUTY_WRITES_FAILED, PROCESS_ERRORS, INJECTIONS,
+    SYMBOL_MEMORY, SYMBOL_EVICTIONS, ADDRESS_CACHE, ADDRESS_CACHE_EVICTIONS, STACKS_NAMED,
     HEAP_FULL_COLLECTIONS, HEAP_FULL_COLLECTION_SECONDS, PROFILE_STORE_BYTES,
     PROFILE_STORE_SECONDS, STACK_SAMPLES, FUNCTION_SAMPLES, DROPPED_SERIES, SERIES, BUILD_INFO,
 )

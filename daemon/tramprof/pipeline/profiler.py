@@ -404,6 +404,8 @@ class Profiler:
             if isinstance(native, TableMode):
                 self.stats.unwind_tables = copy.deepcopy(native.stats)
         self.stats.python_duty = self._python_duty(stacks)
+        self.stats.python_duty_writes_failed = sum(
+            mode.duty.writes_failed for mode in self.unwinders.modes if isinstance(mode, ChainMode))
         self.stats.drains += 1
         self.stats.last_drain_seconds = time.monotonic() - began
         self.stats.last_drain_cpu_seconds = time.thread_time() - cpu_began

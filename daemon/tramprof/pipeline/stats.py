@@ -114,6 +114,8 @@ class ProfilerStats:
     # Processes under the trampoline runtime, by process name: (mean duty
     # cycle of the hook, mean estimated share of time spent in trampolines).
     python_duty: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Writes of a duty cycle that a running process refused (it stays always on).
+    python_duty_writes_failed: int = 0
 
     def add_cpu(self, stage: str, seconds: float) -> None:
         """Count ``seconds`` of the main thread's CPU for ``stage``."""

@@ -24,8 +24,9 @@ MAX_READ_BYTES = 1 << 20
 
 
 class MemoryReadError(OSError):
-    """The memory could not be read in full (unmapped, no permission, gone,
-    or a size beyond ``MAX_READ_BYTES``)."""
+    """The memory could not be read or written in full (unmapped, no
+    permission, gone, or a size beyond the bounds); ``errno`` says why when
+    the kernel did (ESRCH or ENOENT: the process is gone)."""
 
 
 def _check_address(address: int) -> None:
@@ -40,7 +41,7 @@ def _open_mem(pid: int, address: int, flags: int, proc_root: str) -> tuple[int, 
     try:
         return os.open(path, flags | os.O_CLOEXEC), path
     except OSError as exc:
-        raise MemoryReadError(f"cannot open {path}: {exc.strerror}") from exc
+        raise MemoryReadError(exc.errno, f"cannot open {path}: {exc.strerror}") from exc
 
 
 def _check_read(pid: int, size: int) -> None:

@@ -19,6 +19,7 @@ was a tenth of a busy node's daemon CPU).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -60,6 +61,7 @@ class DutyProcess:
     last: DutyState | None = None
     last_at: float = 0.0       # CLOCK_MONOTONIC seconds of ``last``
     last_cpu: float = 0.0      # the process's CPU seconds at ``last``
+    refused: bool = False      # a write of its duty cycle has failed (logged once)
 
 
 def on_share(before: DutyState, after: DutyState, before_at: float, after_at: float) -> float:
@@ -91,7 +93,9 @@ class DutyCycle:
         self._proc_root = proc_root
         self._clock = clock
         self._procs: dict[int, DutyProcess] = {}
-        self.errors = 0
+        #: Writes of a duty cycle that failed while the process still ran:
+        #: those processes stay always on whatever the budget.
+        self.writes_failed = 0
 
     def track(self, pid: int, address: int) -> None:
         """Follow ``pid``, whose ABI 2 descriptor lives at ``address``."""
@@ -143,8 +147,16 @@ class DutyCycle:
             write_memory(pid, proc.address + DUTY_PPM_OFFSET, struct.pack("<I", wanted),
                          self._proc_root)
         except MemoryReadError as exc:
-            self.errors += 1
-            log.info("pid %d: cannot set its duty cycle: %s", pid, exc)
+            if exc.errno in (errno.ESRCH, errno.ENOENT):
+                return  # it has just exited: nothing to control
+            self.writes_failed += 1
+            # Once per process at warning: at debug, it would go unseen (a
+            # daemon without the ptrace right never controls anything); at
+            # every refresh, it would fill the journal.
+            log.log(logging.DEBUG if proc.refused else logging.WARNING,
+                    "pid %d: cannot set its duty cycle, its trampolines stay always on: %s",
+                    pid, exc)
+            proc.refused = True
             return
         if wanted != proc.duty_ppm:
             log.debug("pid %d: trampolines on %.1f%% of the time (%s overhead while on)",
