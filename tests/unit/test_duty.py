@@ -110,3 +110,56 @@ def test_a_process_gone_before_the_write_is_not_a_refusal(
     cycle.update(child.pid, replace(state(0), duty_ppm=500_000))
     assert cycle.writes_failed == 0
     assert not [r for r in caplog.records if "cannot set its duty cycle" in r.getMessage()]
+
+
+def own_cpu_seconds() -> float:
+    return duty.read_stat(os.getpid()).cpu_ticks / duty.CLOCK_TICKS
+
+
+def test_a_runtime_never_paused_gets_its_duty_cycle_when_found() -> None:
+    """Its counters cover the process's whole life with the hook on: the
+    first update writes a duty cycle from them, without waiting for a
+    second reading; the first interval measured replaces that estimate."""
+    now = [100.0]
+    words = ctypes.create_string_buffer(struct.pack("<I", DUTY_ALWAYS), 8)
+    cycle = DutyCycle(budget=0.05, clock=lambda: now[0])
+    pid = os.getpid()
+    assert cycle.track(pid, ctypes.addressof(words) - DUTY_PPM_OFFSET)
+    assert not cycle.track(pid, ctypes.addressof(words) - DUTY_PPM_OFFSET)
+    cost_ps = 10_000  # 10 ns a call
+    cpu = own_cpu_seconds()
+    assert cpu >= duty.MIN_ON_SECONDS
+    # Calls enough for half of the CPU so far: duty 0.05 / 0.5.
+    born = replace(state(0), duty_ppm=DUTY_ALWAYS, call_cost_ps=cost_ps,
+                   hook_calls=round(0.5 * cpu / (cost_ps * 1e-12)))
+    cycle.update(pid, born)
+    proc = cycle.get(pid)
+    assert proc is not None and proc.provisional
+    assert proc.overhead_on == pytest.approx(0.5, rel=0.05)
+    assert struct.unpack_from("<I", words.raw)[0] == pytest.approx(100_000, rel=0.05)
+
+    # One second later, on all of it, with calls for a fifth of the CPU
+    # spent meanwhile: the estimate becomes that, not a blend with 0.5.
+    burn_until = own_cpu_seconds() + 0.2
+    while own_cpu_seconds() < burn_until:
+        pass
+    spent = own_cpu_seconds() - proc.last_cpu
+    now[0] = 101.0
+    later = replace(born, duty_ppm=100_000,
+                    hook_calls=born.hook_calls + round(0.2 * spent / (cost_ps * 1e-12)))
+    cycle.update(pid, later)
+    assert not proc.provisional
+    assert proc.overhead_on == pytest.approx(0.2, rel=0.15)
+
+
+def test_a_runtime_paused_before_has_no_lifetime_estimate() -> None:
+    """Its counters no longer say how long the hook was on: the first
+    update only takes a reading, and nothing is written."""
+    words = ctypes.create_string_buffer(struct.pack("<I", 300_000), 8)
+    cycle = DutyCycle(budget=0.05)
+    cycle.track(os.getpid(), ctypes.addressof(words) - DUTY_PPM_OFFSET)
+    cycle.update(os.getpid(), replace(state(5_000_000_000), duty_ppm=300_000,
+                                      hook_calls=10**9))
+    proc = cycle.get(os.getpid())
+    assert proc is not None and proc.overhead_on is None and proc.last is not None
+    assert struct.unpack_from("<I", words.raw)[0] == 300_000

@@ -245,10 +245,11 @@ def test_chain_mode_reads_the_whole_descriptor_only_when_its_generation_moves(
     seen: list[DutyState | None] = []
     monkeypatch.setattr(chain.duty, "update", lambda pid, state=None: seen.append(state))
     chain.consider(PID, mappings(runtime_mappings))
+    assert seen == [duty]  # a runtime just found: its first duty step at once
     later = replace(duty, hook_calls=99)
     published.append(replace(published[-1], duty=later))  # same generation
     chain.refresh({PID})
-    assert reads == [PID] and seen == [later]
+    assert reads == [PID] and seen == [duty, later]
     published.append(replace(published[-1], generation=2, arenas=Arenas(
         [(ARENA, ARENA + 0x1000), (ARENA + 0x4000, ARENA + 0x5000)])))
     chain.refresh({PID})

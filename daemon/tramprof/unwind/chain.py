@@ -153,7 +153,8 @@ class ChainMode:
             self._candidates.discard(pid)
 
     def _update(self, pid: int) -> DutyState | None:
-        """Follow a change of the process's descriptor; its duty words, if read."""
+        """Follow a change of the process's descriptor; its duty words, if
+        read and not already given to the duty cycle (a runtime just found)."""
         known = self._procs.get(pid)
         try:
             if known is not None:
@@ -185,10 +186,12 @@ class ChainMode:
                 self._fail(pid, "map_full", str(exc), drop=True)
                 return None
         self._last_error.pop(pid, None)
-        if d.duty is not None and active:
-            self.duty.track(pid, d.address)
         self._procs[pid] = ChainProcess(generation=d.generation, arenas=d.arenas,
                                         active=active, descriptor=d)
+        if d.duty is not None and active and self.duty.track(pid, d.address):
+            # Its first estimate and duty cycle now, not at the next refresh.
+            self.duty.update(pid, d.duty)
+            return None  # updated already
         return d.duty
 
     def report(self, pid: int) -> ModeReport | None:

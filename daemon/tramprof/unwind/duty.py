@@ -9,8 +9,14 @@ the share of its time spent in trampolines while on (``overhead_on``). To spend 
 the runtime's own thread switches it on and off at a random phase of each
 window once the daemon writes that duty cycle into the descriptor.
 
-The estimate is smoothed (the workload's call rate varies) and the duty
-cycle never goes below ``MIN_DUTY``, so even a process with a hot call path
+The first estimate comes at once, when the daemon finds the runtime: a
+runtime that has never been paused has had its hook on since it started, so
+its counters over the process's CPU time so far are a measurement already
+(a short-lived worker would otherwise run unbudgeted for the two refreshes a
+first interval takes). It counts CPU spent before the runtime started, so
+the first interval's measurement replaces it instead of being smoothed in.
+After that the estimate is smoothed (the workload's call rate varies) and
+the duty cycle never goes below ``MIN_DUTY``, so even a process with a hot call path
 keeps some named samples. Without a budget nothing is controlled: the
 estimate is only exported, so it is measured every ``UNBUDGETED_SECONDS``,
 not at every refresh (a ``/proc/PID/stat`` read per runtime process a second
@@ -61,6 +67,7 @@ class DutyProcess:
     last: DutyState | None = None
     last_at: float = 0.0       # CLOCK_MONOTONIC seconds of ``last``
     last_cpu: float = 0.0      # the process's CPU seconds at ``last``
+    provisional: bool = False  # ``overhead_on`` is the lifetime estimate
     refused: bool = False      # a write of its duty cycle has failed (logged once)
 
 
@@ -97,11 +104,14 @@ class DutyCycle:
         #: those processes stay always on whatever the budget.
         self.writes_failed = 0
 
-    def track(self, pid: int, address: int) -> None:
-        """Follow ``pid``, whose ABI 2 descriptor lives at ``address``."""
+    def track(self, pid: int, address: int) -> bool:
+        """Follow ``pid``, whose ABI 2 descriptor lives at ``address``;
+        whether it is new (its first ``update`` may then come at once)."""
         known = self._procs.get(pid)
         if known is None or known.address != address:
             self._procs[pid] = DutyProcess(address)
+            return True
+        return False
 
     def forget(self, pid: int) -> None:
         self._procs.pop(pid, None)
@@ -124,7 +134,12 @@ class DutyCycle:
             cpu = read_stat(pid, self._proc_root).cpu_ticks / CLOCK_TICKS
         except (OSError, ProcessGone, ValueError):
             return
-        if proc.last is not None and state.call_cost_ps > 0:
+        if proc.last is None and state.call_cost_ps > 0 and state.off_ns == 0 \
+                and state.paused_since_ns == 0 and cpu >= MIN_ON_SECONDS:
+            # Never paused: on for the whole life of its counters.
+            proc.overhead_on = min(1.0, state.hook_calls * state.call_cost_ps * 1e-12 / cpu)
+            proc.provisional = True
+        elif proc.last is not None and state.call_cost_ps > 0:
             # CPU time, not wall time: on a busy node the process does not
             # run all the time, and its calls per second of CPU are what the
             # hook costs it. The CPU spent while on: assumed proportional.
@@ -132,8 +147,9 @@ class DutyCycle:
             calls = state.hook_calls - proc.last.hook_calls
             if seconds >= MIN_ON_SECONDS and calls >= 0:
                 measured = min(1.0, calls * state.call_cost_ps * 1e-12 / seconds)
-                proc.overhead_on = measured if proc.overhead_on is None else \
-                    (1 - SMOOTHING) * proc.overhead_on + SMOOTHING * measured
+                proc.overhead_on = measured if proc.overhead_on is None or proc.provisional \
+                    else (1 - SMOOTHING) * proc.overhead_on + SMOOTHING * measured
+                proc.provisional = False
         proc.last, proc.last_at, proc.last_cpu = state, now, cpu
         if self.budget <= 0:
             wanted = DUTY_ALWAYS  # no budget: always on (also undoes an earlier daemon's)
