@@ -1,8 +1,10 @@
-"""The Python overhead budget as shipped: ``tramprof run`` (its privileges
+"""The runtime under the daemon as shipped: ``tramprof run`` (its privileges
 dropped to nobody with CAP_SYS_PTRACE, as the service and the DaemonSet run
 it) sets the duty cycle of a runtime in a process of another user (root
-here). The duty-cycle test drives the pipeline in process, as root, so it
-cannot see what the dropped privileges forbid."""
+here), and at its default interval unwinds and budgets a short-lived worker
+from its first moments, not from the next drain. The duty-cycle test drives
+the pipeline in process, as root, with drains every 0.25 s, so it cannot see
+what the dropped privileges forbid nor what a 10 s interval delays."""
 
 from __future__ import annotations
 
@@ -77,5 +79,55 @@ def test_the_daemon_sets_the_duty_cycle_of_another_users_process(
         assert metrics[("tramprof_python_duty_writes_failed_total", ())] == 0
         duty = [v for (name, _), v in metrics.items() if name == "tramprof_python_duty_cycle"]
         assert len(duty) == 1 and duty[0] <= 0.5, duty
+    finally:
+        assert daemon.stop() == 0, "the daemon did not stop cleanly"
+
+
+#: A worker that lives a few seconds, shorter than the default interval.
+WORKER = """
+import time
+def fib(n):
+    return n if n < 2 else fib(n - 1) + fib(n - 2)
+end = time.monotonic() + %(seconds)s
+while time.monotonic() < end:
+    fib(20)
+"""
+WORKER_SECONDS = 4.0
+#: Samples of the worker's life that must name its Python frames or say they
+#: are paused: the first ~0.1 s (until its runtime is found) and its start-up
+#: and exit show neither. Before, a worker was found at the first drain of
+#: its life (10 s apart by default), if there was one.
+MIN_PYTHON_SHARE = 0.9
+
+
+def test_a_short_lived_worker_is_unwound_and_budgeted_from_its_start(
+        host_interp: Interp, started) -> None:
+    os.environ["TRAMPROF_PYTHON_OVERHEAD_BUDGET"] = str(BUDGET)
+    try:
+        daemon = Daemon("--frequency", "199")  # the default interval: 10 s
+    finally:
+        del os.environ["TRAMPROF_PYTHON_OVERHEAD_BUDGET"]
+    try:
+        proc = host_interp.popen("-c", WORKER % {"seconds": WORKER_SECONDS},
+                                 env={"TRAMPROF_TRAMPOLINES": "1"})
+        started.append(proc)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
+        # Its samples are named at the next drain, at most an interval away.
+        stacks: dict[tuple[str, ...], int] = {}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            stacks = folded(daemon, proc.pid, 60)
+            if sum(stacks.values()) >= 0.5 * WORKER_SECONDS * 199:
+                break
+            time.sleep(1)
+        total = sum(stacks.values())
+        assert total >= 0.5 * WORKER_SECONDS * 199, (total, daemon.log_tail())
+        paused = sum(c for stack, c in stacks.items() if PYTHON_PAUSED in stack)
+        named = sum(c for stack, c in stacks.items() if PYTHON_PAUSED not in stack
+                    and stack[1:3] == ("py::<module>:<string>", "py::fib:<string>"))
+        top = sorted(stacks.items(), key=lambda kv: -kv[1])[:8]
+        assert (paused + named) / total >= MIN_PYTHON_SHARE, (paused, named, total, top)
+        # At the duty cycle this budget gives (~0.13), most of its life paused.
+        assert paused / total >= MIN_PAUSED_SHARE, (paused, named, total, top)
     finally:
         assert daemon.stop() == 0, "the daemon did not stop cleanly"

@@ -488,6 +488,77 @@ def test_for_process_refuses_tmp_symlinked_out_of_the_container(tmp_path: Path) 
     assert pm.lookup(0x1000) is None
 
 
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_after_its_process_exited_the_file_is_read_to_the_end() -> None:
+    """A real process writes its perf map in its /tmp, is read once while it
+    runs, appends and exits: its /proc/PID/root is gone, the reader reads
+    the rest of the same file through the descriptor it kept."""
+    import sys
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys\n"
+        "path = f'/tmp/perf-{os.getpid()}.map'\n"
+        "with open(path, 'w') as f:\n"
+        "    f.write('1000 10 early\\n'); f.flush()\n"
+        "    print('ready', flush=True); sys.stdin.readline()\n"
+        "    f.write('2000 10 late\\n')\n")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    path = Path(f"/tmp/perf-{child.pid}.map")
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        pm = PerfMap.for_process(child.pid, child.pid, UID)
+        pm.refresh()
+        assert pm.lookup(0x1000) == "early" and pm.lookup(0x2000) is None
+        child.communicate("go\n", timeout=30)
+        assert not Path(f"/proc/{child.pid}").exists()
+        result = pm.refresh()
+        assert result.refused is None and result.new_entries == 1
+        assert pm.lookup(0x2000) == "late"
+        # The reader let go: so does its descriptor.
+        before = _open_fds()
+        del pm
+        assert _open_fds() == before - 1
+    finally:
+        child.kill()
+        child.wait()
+        path.unlink(missing_ok=True)
+
+
+def test_a_file_gone_while_its_process_runs_is_not_read_through_the_kept_one(
+        tmp_path: Path) -> None:
+    root = tmp_path / "proc" / "4321" / "root"
+    (root / "tmp").mkdir(parents=True)
+    write(root / "tmp" / "perf-7.map", b"1000 10 first\n")
+    pm = PerfMap.for_process(4321, 7, UID, proc_root=str(tmp_path / "proc"))
+    pm.refresh()
+    append(root / "tmp" / "perf-7.map", b"2000 10 appended\n")
+    (root / "tmp" / "perf-7.map").unlink()
+    assert pm.refresh().refused == "missing"  # the root is there: the path decides
+    assert pm.lookup(0x2000) is None
+    (root / "tmp").rmdir()
+    root.rmdir()  # now the process is gone
+    assert pm.refresh().refused is None
+    assert pm.lookup(0x2000) == "appended"
+
+
+def test_no_more_than_max_kept_descriptors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           ) -> None:
+    from tramprof.symbols import tailreader
+    monkeypatch.setattr(tailreader, "MAX_KEPT", tailreader._Kept.total)  # none more
+    root = tmp_path / "proc" / "4321" / "root"
+    (root / "tmp").mkdir(parents=True)
+    write(root / "tmp" / "perf-7.map", b"1000 10 first\n")
+    pm = PerfMap.for_process(4321, 7, UID, proc_root=str(tmp_path / "proc"))
+    before = _open_fds()
+    pm.refresh()
+    assert _open_fds() == before
+    shutil.rmtree(tmp_path / "proc")
+    assert pm.refresh().refused == "missing"
+    assert pm.lookup(0x1000) == "first"  # what was read stays
+
+
 # -- a real writer -----------------------------------------------------------
 
 SPIN_JS = """

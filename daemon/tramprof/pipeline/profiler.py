@@ -28,6 +28,7 @@ from tramprof.model import Stack
 from tramprof.pipeline.heap import HeapPolicy
 from tramprof.pipeline.naming import ImageKey, StackNamer
 from tramprof.pipeline.stats import ProcessSamples, ProfilerStats
+from tramprof.pipeline.young import YoungInterpreters, is_interpreter
 from tramprof.procfs.events import open_event_source
 from tramprof.sampler.layout import Counter as BpfCounter
 from tramprof.sampler.program import Sampler, SamplerConfig
@@ -203,6 +204,7 @@ class Profiler:
         self.errors = ProcessErrors()
         self.injector = AutoInjector(config)  # inject_* settings; off by default
         self._considered = ConsideredImages()
+        self._young = YoungInterpreters()
         self.namer = StackNamer(self.registry, self.unwinders.arenas, self.kernel.resolve,
                                 self.stats.symbolization_failures)
         self._next_mode_refresh = float("-inf")  # monotonic seconds
@@ -241,6 +243,9 @@ class Profiler:
             timeout = min(timeout, EVENTS_EVERY)
             if self.unwinders.following():
                 timeout = min(timeout, FOLLOW_EVERY)
+            young = self._young.seconds_to_next()
+            if young is not None:
+                timeout = min(timeout, young)
             with contextlib.suppress(InterruptedError):
                 ready.poll(max(0.0, timeout) * 1000)
             self.poll_process_events()
@@ -271,8 +276,15 @@ class Profiler:
                 image = self.registry.warm(tgid, start, exec_id)
                 if image is not None:
                     self._consider((tgid, start, exec_id), image)
+                    self._follow_if_young_interpreter((tgid, start, exec_id), image)
             self.injector.offer(tgid, start, exec_id)
         self._look_again(self.injector.take_injected())
+        for key in self._young.take_due():
+            if self.unwinders.mode_of(key[0]) == FP:
+                self._look_again([key])
+            else:  # taken since (a mode followed it to activation)
+                with self.errors.boundary(key[0], "new_process", partial(self._drop, key[0])):
+                    self._read_jit_now(self.registry.warm(*key))
         events = self.events.read_events()
         for event in events:
             self.stats.process_events[event.kind] += 1
@@ -298,10 +310,26 @@ class Profiler:
         if sighting is Sighting.REPLACED:
             self.unwinders.forget(pid)
         self.unwinders.consider(pid, mappings)
+        self._read_jit_now(image)
+
+    def _read_jit_now(self, image: ProcessImage | None) -> None:
+        """A process under a trampoline mode names its Python frames from its
+        perf map: open it while the process runs (symbols.tailreader)."""
+        if image is not None and image.jit is not None and image.symbolizer is not None \
+                and self.unwinders.mode_of(image.symbolizer.pid) != FP:
+            image.jit.read_now()
+
+    def _follow_if_young_interpreter(self, key: ImageKey, image: ProcessImage) -> None:
+        """A Python interpreter no trampoline mode took at its first sample
+        may load a runtime in its next moments (pipeline.young)."""
+        if self.unwinders.mode_of(key[0]) == FP and image.symbolizer is not None \
+                and is_interpreter(image.symbolizer.mappings):
+            self._young.add(key)
 
     def _look_again(self, images: list[tuple[int, int, int]]) -> None:
-        """Injected processes now have stubs (or a runtime): re-read their
-        maps so the unwinding modes see them."""
+        """Injected processes now have stubs (or a runtime), young
+        interpreters may have: re-read their maps so the unwinding modes see
+        them."""
         for tgid, start, exec_id in images:
             with self.errors.boundary(tgid, "new_process", partial(self._drop, tgid)):
                 image = self.registry.warm(tgid, start, exec_id)
@@ -315,6 +343,7 @@ class Profiler:
         back-off, they are shown it afresh."""
         self.unwinders.forget(pid)
         self._considered.forget(pid)
+        self._young.forget(pid)
 
     def _refresh_modes(self, full: bool) -> None:
         """Refresh the unwinding modes: ``full`` after a drain or a resync,
@@ -331,6 +360,7 @@ class Profiler:
         live = {identity.pid for identity in self.registry.identities()}
         self.errors.forget_exited(live)
         self._considered.forget_exited(live)
+        self._young.forget_exited(live)
         healthy = live - self.errors.backing_off_among(live)
         for pid in live - healthy:
             self._drop(pid)

@@ -175,6 +175,19 @@ class JitSymbols:
         self.epoch += 1
         self.last_results = (perf_map.refresh(), jitdump.refresh())
 
+    def read_now(self) -> None:
+        """Read the files now if they never were: a process under a
+        trampoline mode may exit before the next drain names its samples,
+        and its files open only while it runs (the readers keep what they
+        opened, and read the rest through it then)."""
+        if self._last_refresh is not None or self.unavailable:
+            return
+        try:
+            self.refresh()
+        except (OSError, ValueError, IndexError, SymbolizationError) as exc:
+            self.unavailable = True
+            log.debug("no perf map / jitdump lookup for pid %d: %s", self.pid, exc)
+
     def _lookup(self, addr: int) -> str | None:
         return self.perf_map.lookup(addr) or self.jitdump.lookup(addr)
 

@@ -125,6 +125,9 @@ class SafeFile:
             got += len(more)
         return b"".join(parts)
 
+    def fileno(self) -> int:
+        return self._fd
+
     def close(self) -> None:
         """Close the descriptor; safe to call twice."""
         if self._fd >= 0:

@@ -10,16 +10,26 @@ offset between two refreshes, or a deleted file's inode number was reused).
 The consumer decides how much of each chunk it used (a half-written line or
 record stays unconsumed and is read again, completed, next time), so a
 pending tail costs no memory between refreshes.
+
+A file under a process's root (``/proc/PID/root``) no longer opens once the
+process has exited, yet its samples are named at the next drain, after a
+short-lived process is gone: so the reader keeps a descriptor of the last
+file it opened, and reads the rest of that same file through it when the
+root is gone. At most ``MAX_KEPT`` are kept by all readers together.
 """
 
 from __future__ import annotations
 
+import os
+import resource
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Self
 
 from tramprof.symbols.safeopen import (
     IO_ERROR,
+    MISSING,
     REFUSAL_REASONS,
     STALE,
     FileIdentity,
@@ -30,6 +40,63 @@ from tramprof.symbols.safeopen import (
 
 #: Bytes before the resume offset compared on every refresh to detect rewrites.
 ANCHOR_BYTES: Final = 32
+
+
+def _max_kept() -> int:
+    """An eighth of the descriptors this process may open, at most 1024 (as
+    many again are for held /proc/PID/mem files)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 1024 if soft == resource.RLIM_INFINITY else max(1, min(1024, soft // 8))
+
+
+#: Descriptors kept by all readers together; beyond, a file is not kept.
+MAX_KEPT: Final = _max_kept()
+
+
+class _Kept:
+    """The descriptor one reader keeps (-1: none), and the count of all."""
+
+    total = 0
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.identity: FileIdentity | None = None
+
+    def keep(self, fd: int, identity: FileIdentity) -> None:
+        if self.identity is not None and (self.identity.dev, self.identity.ino) == \
+                (identity.dev, identity.ino):
+            return
+        self.close()
+        if _Kept.total >= MAX_KEPT:
+            return
+        try:
+            self.fd = os.dup(fd)
+        except OSError:
+            return
+        _Kept.total += 1
+        self.identity = identity
+
+    def reopen(self, max_bytes: int) -> SafeFile | None:
+        """A fresh view of the kept file (its current length), or None."""
+        if self.fd < 0:
+            return None
+        fd = -1
+        try:
+            fd = os.dup(self.fd)
+            st = os.fstat(fd)
+        except OSError:
+            if fd >= 0:
+                os.close(fd)
+            return None
+        return SafeFile(fd, FileIdentity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns),
+                        max_bytes)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            self.identity = None
+            _Kept.total -= 1
+            os.close(fd)
 
 
 @dataclass
@@ -174,12 +241,19 @@ class TailReader:
         #: File length (capped) at the last refresh that read anything.
         self.seen_limit = 0
         self._anchor = b""
+        self._kept = _Kept()
+        weakref.finalize(self, self._kept.close)
 
     def open(self) -> TailSession | Refusal:
         """Open the path safely and work out where reading resumes."""
         opened = open_untrusted(self.path, self.expected_uid, self.max_bytes, root=self.root)
         if isinstance(opened, Refusal):
-            return self.refuse(opened)
+            kept = self._kept.reopen(self.max_bytes) if self._root_gone(opened) else None
+            if kept is None:
+                return self.refuse(opened)
+            opened = kept
+        elif self.root is not None:
+            self._kept.keep(opened.fileno(), opened.identity)
         if self.not_before_ns is not None and opened.identity.mtime_ns < self.not_before_ns:
             # Runtimes append to a file left by an earlier process with the
             # same pid (CPython never truncates): remember where that ends.
@@ -223,6 +297,22 @@ class TailReader:
         if tail and f.read_at(self._stale_tail_at, len(tail)) != tail:
             return 0
         return stale.size
+
+    def _root_gone(self, refusal: Refusal) -> bool:
+        """The process whose root the path is under has exited."""
+        if self.root is None or refusal.reason != MISSING:
+            return False
+        try:
+            os.stat(self.root)
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        except OSError:
+            return False
+        return False
+
+    def release(self) -> None:
+        """Close the kept descriptor (the reader is done with its file)."""
+        self._kept.close()
 
     @property
     def full_path(self) -> str:
