@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import resource
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
@@ -54,9 +55,11 @@ MAX_KEPT: Final = _max_kept()
 
 
 class _Kept:
-    """The descriptor one reader keeps (-1: none), and the count of all."""
+    """The descriptor one reader keeps (-1: none), and the count of all
+    (a reader may be collected on any thread)."""
 
     total = 0
+    _lock = threading.Lock()
 
     def __init__(self) -> None:
         self.fd = -1
@@ -67,13 +70,14 @@ class _Kept:
                 (identity.dev, identity.ino):
             return
         self.close()
-        if _Kept.total >= MAX_KEPT:
-            return
-        try:
-            self.fd = os.dup(fd)
-        except OSError:
-            return
-        _Kept.total += 1
+        with _Kept._lock:
+            if _Kept.total >= MAX_KEPT:
+                return
+            try:
+                self.fd = os.dup(fd)
+            except OSError:
+                return
+            _Kept.total += 1
         self.identity = identity
 
     def reopen(self, max_bytes: int) -> SafeFile | None:
@@ -92,11 +96,13 @@ class _Kept:
                         max_bytes)
 
     def close(self) -> None:
-        if self.fd >= 0:
+        with _Kept._lock:
+            if self.fd < 0:
+                return
             fd, self.fd = self.fd, -1
             self.identity = None
             _Kept.total -= 1
-            os.close(fd)
+        os.close(fd)
 
 
 @dataclass
@@ -252,8 +258,6 @@ class TailReader:
             if kept is None:
                 return self.refuse(opened)
             opened = kept
-        elif self.root is not None:
-            self._kept.keep(opened.fileno(), opened.identity)
         if self.not_before_ns is not None and opened.identity.mtime_ns < self.not_before_ns:
             # Runtimes append to a file left by an earlier process with the
             # same pid (CPython never truncates): remember where that ends.
@@ -280,6 +284,8 @@ class TailReader:
             self._anchor = b""
         self.identity = opened.identity
         self.stats.bytes_capped = opened.capped_bytes
+        if self.root is not None:
+            self._kept.keep(opened.fileno(), opened.identity)  # the same file: nothing new
         return TailSession(self, opened, reset, reloaded)
 
     def _stale_prefix(self, f: SafeFile) -> int:
