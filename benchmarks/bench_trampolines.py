@@ -11,9 +11,11 @@ Configurations (each a fresh interpreter per measurement):
              Measured in a second pass, alternating with its own "off" runs
              under the same daemon (the budget applies to every runtime the
              daemon sees, so it cannot run next to "stubs"); its ratio is
-             against that pass's "off". Workers run 20 warm-up values first,
-             in both passes, so the duty cycle has settled (the daemon drains
-             every 0.25 s) before values count.
+             against that pass's "off". The daemon runs as shipped (its
+             default interval, 10 s): a worker's runtime is found and its
+             duty cycle set about 0.1 s after its first sample. Workers run
+             20 warm-up values first, in both passes, so the duty cycle has
+             settled before values count.
 
 Interpreters: the host's /usr/bin/python3.11 and, with --root NAME (root
 needed), a Debian chroot from tests/trampolines/roots.py, e.g. trixie (3.13).
@@ -190,7 +192,7 @@ def measure(target: Target, rounds: int, budget: float) -> None:
         with tempfile.NamedTemporaryFile("w", suffix=".toml") as config:
             config.write(f"python_overhead_budget = {budget}\n")
             config.flush()
-            daemon = Daemon("--config", config.name, "--interval", "0.25")
+            daemon = Daemon("--config", config.name)
             try:
                 under = run_rounds(target, {"off": cfgs["off"], "budget": cfgs["stubs"]},
                                    benches, loops, rounds, f"budget {budget}")
