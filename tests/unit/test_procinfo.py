@@ -85,6 +85,20 @@ def test_stat_exec_signature_hidden_or_visible() -> None:
     assert kthread.exec_signature is None
 
 
+def test_stat_vsize_is_the_address_space_the_kernel_reports() -> None:
+    """Field 23, in bytes: the same figure as status's VmSize (in KiB), and
+    it moves when a mapping is made."""
+    import mmap
+    import os
+    before = read_stat(os.getpid()).vsize
+    status = Path("/proc/self/status").read_text()
+    vm_kib = int(next(line.split()[1] for line in status.splitlines()
+                      if line.startswith("VmSize:")))
+    assert abs(before - vm_kib * 1024) <= 1 << 20  # allocations between the two reads
+    with mmap.mmap(-1, 64 << 20):
+        assert read_stat(os.getpid()).vsize - before >= 64 << 20
+
+
 def test_stat_dead_means_zombie_without_live_threads() -> None:
     assert parse_stat(1, stat_line(1, "x", state="Z").encode()).is_dead
     assert parse_stat(1, stat_line(1, "x", state="X").encode()).is_dead

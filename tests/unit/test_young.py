@@ -40,7 +40,10 @@ def test_looks_come_at_their_times_then_stop() -> None:
     taken = []
     for step in range(1, 301):  # 3 s in 10 ms steps
         now[0] = 10.0 + step / 100
-        if followed.take_due():
+        due = followed.take_due()
+        if due:
+            assert due == [(key, 4096 * len(taken))]  # the vsize the last look saw
+            followed.saw(key, 4096 * (len(taken) + 1))
             taken.append(round(now[0] - 10.0, 2))
     assert taken == list(LOOK_AFTER)
     assert len(followed) == 0 and followed.seconds_to_next() is None
@@ -55,7 +58,7 @@ def test_forgotten_and_exited_processes_are_not_looked_at() -> None:
     followed.forget(1)
     followed.forget_exited({2})
     now[0] = 1.0
-    assert followed.take_due() == [(2, 2, 0)]
+    assert followed.take_due() == [((2, 2, 0), 0)]
 
 
 def test_at_most_max_followed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,12 +24,13 @@ from typing import Protocol
 
 from tramprof.config import Config
 from tramprof.inject.policy import AutoInjector
-from tramprof.model import Stack
+from tramprof.model import ProcessGone, Stack
 from tramprof.pipeline.heap import HeapPolicy
 from tramprof.pipeline.naming import ImageKey, StackNamer
 from tramprof.pipeline.stats import ProcessSamples, ProfilerStats
 from tramprof.pipeline.young import YoungInterpreters, is_interpreter
 from tramprof.procfs.events import open_event_source
+from tramprof.procfs.identity import read_stat
 from tramprof.sampler.layout import Counter as BpfCounter
 from tramprof.sampler.program import Sampler, SamplerConfig
 from tramprof.symbols.images import ProcessImage, ProcessRegistry
@@ -279,12 +280,7 @@ class Profiler:
                     self._follow_if_young_interpreter((tgid, start, exec_id), image)
             self.injector.offer(tgid, start, exec_id)
         self._look_again(self.injector.take_injected())
-        for key in self._young.take_due():
-            if self.unwinders.mode_of(key[0]) == FP:
-                self._look_again([key])
-            else:  # taken since (a mode followed it to activation)
-                with self.errors.boundary(key[0], "new_process", partial(self._drop, key[0])):
-                    self._read_jit_now(self.registry.warm(*key))
+        self._look_at_young_interpreters()
         events = self.events.read_events()
         for event in events:
             self.stats.process_events[event.kind] += 1
@@ -318,6 +314,23 @@ class Profiler:
         if image is not None and image.jit is not None and image.symbolizer is not None \
                 and self.unwinders.mode_of(image.symbolizer.pid) != FP:
             image.jit.read_now()
+
+    def _look_at_young_interpreters(self) -> None:
+        """The looks due (pipeline.young): the maps again if the address
+        space changed size since the last look."""
+        for key, last_vsize in self._young.take_due():
+            pid = key[0]
+            if self.unwinders.mode_of(pid) != FP:  # taken since (followed to activation)
+                with self.errors.boundary(pid, "new_process", partial(self._drop, pid)):
+                    self._read_jit_now(self.registry.warm(*key))
+                continue
+            try:
+                vsize = read_stat(pid, self.config.proc_root).vsize
+            except (OSError, ProcessGone, ValueError):
+                continue  # gone: forgotten at the next refresh
+            if vsize != last_vsize:
+                self._young.saw(key, vsize)
+                self._look_again([key])
 
     def _follow_if_young_interpreter(self, key: ImageKey, image: ProcessImage) -> None:
         """A Python interpreter no trampoline mode took at its first sample

@@ -78,6 +78,7 @@ class ProcStat:
     end_code: int
     start_stack: int
     cpu_ticks: int = 0     # utime + stime, all threads, in clock ticks
+    vsize: int = 0         # bytes of address space: moves when a mapping is made or removed
 
     @property
     def exec_signature(self) -> ExecSignature | None:
@@ -174,6 +175,7 @@ def parse_stat(pid: int, data: bytes) -> ProcStat:
         end_code=field(27),
         start_stack=field(28),
         cpu_ticks=field(14) + field(15),
+        vsize=field(23),
     )
 
 
