@@ -78,10 +78,11 @@ def _close_all(fds: dict[int, tuple[int, str]]) -> None:
     fds.clear()
 
 
-def _default_max_open() -> int:
-    """An eighth of the descriptors this process may open, at most 1024:
-    the held files must never starve the daemon of descriptors (a systemd
-    service gets 1024 by default)."""
+def descriptor_share() -> int:
+    """An eighth of the descriptors this process may open, at most 1024: the
+    share of each kind of file the daemon holds open between uses (memory
+    files here, perf maps in symbols.tailreader), so they never starve it of
+    descriptors (a systemd service gets 1024 by default)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return 1024
@@ -92,7 +93,7 @@ class OpenMemory:
     """``read_memory`` for processes read again and again (a runtime's
     descriptor, every second): their ``/proc/PID/mem`` stays open between
     reads, for at most ``max_open`` processes at a time (default: see
-    ``_default_max_open``); the others are read as ``read_memory`` does.
+    ``descriptor_share``); the others are read as ``read_memory`` does.
 
     An open file reads the address space it was opened on, never a later
     one: after the process exits or execs, or its pid is reused, it reads
@@ -103,7 +104,7 @@ class OpenMemory:
 
     def __init__(self, proc_root: str = "/proc", max_open: int | None = None) -> None:
         self.proc_root = proc_root
-        self.max_open = _default_max_open() if max_open is None else max_open
+        self.max_open = descriptor_share() if max_open is None else max_open
         self._fds: dict[int, tuple[int, str]] = {}  # pid -> (fd, path), oldest first
         weakref.finalize(self, _close_all, self._fds)
 

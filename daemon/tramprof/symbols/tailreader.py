@@ -21,13 +21,13 @@ root is gone. At most ``MAX_KEPT`` are kept by all readers together.
 from __future__ import annotations
 
 import os
-import resource
 import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Self
 
+from tramprof.procfs.memory import descriptor_share
 from tramprof.symbols.safeopen import (
     IO_ERROR,
     MISSING,
@@ -43,15 +43,9 @@ from tramprof.symbols.safeopen import (
 ANCHOR_BYTES: Final = 32
 
 
-def _max_kept() -> int:
-    """An eighth of the descriptors this process may open, at most 1024 (as
-    many again are for held /proc/PID/mem files)."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return 1024 if soft == resource.RLIM_INFINITY else max(1, min(1024, soft // 8))
-
-
-#: Descriptors kept by all readers together; beyond, a file is not kept.
-MAX_KEPT: Final = _max_kept()
+#: Descriptors kept by all readers together (as many as the held
+#: /proc/PID/mem files may take); beyond, a file is not kept.
+MAX_KEPT: Final = descriptor_share()
 
 
 class _Kept:
@@ -285,7 +279,7 @@ class TailReader:
         self.identity = opened.identity
         self.stats.bytes_capped = opened.capped_bytes
         if self.root is not None:
-            self._kept.keep(opened.fileno(), opened.identity)  # the same file: nothing new
+            self._kept.keep(opened.fileno(), opened.identity)  # no-op for the file kept
         return TailSession(self, opened, reset, reloaded)
 
     def _stale_prefix(self, f: SafeFile) -> int:
@@ -315,10 +309,6 @@ class TailReader:
         except OSError:
             return False
         return False
-
-    def release(self) -> None:
-        """Close the kept descriptor (the reader is done with its file)."""
-        self._kept.close()
 
     @property
     def full_path(self) -> str:
