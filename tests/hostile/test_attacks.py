@@ -7,6 +7,7 @@ attack shows in a self-metric."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -61,10 +62,32 @@ def folded(d: Daemon, pid: int, seconds: float) -> dict[tuple[str, ...], int]:
     return out
 
 
+@functools.cache
+def kernel_functions() -> frozenset[str]:
+    """Every kernel function name (/proc/kallsyms)."""
+    with open("/proc/kallsyms", encoding="utf-8", errors="replace") as f:
+        return frozenset(line.split()[2] for line in f if len(line.split()) >= 3)
+
+
+def user_part(stack: tuple[str, ...]) -> tuple[str, ...]:
+    """``stack`` without the kernel frames on top: an interrupt the target
+    was taken in (a reschedule IPI when a neighbour's thread wakes on its
+    CPU, a timer) sits above a user stack that is still the whole truth."""
+    kernel = kernel_functions()
+    end = len(stack)
+    while end > 0 and stack[end - 1] in kernel:
+        end -= 1
+    return stack[:end]
+
+
 def exact_share(stacks: dict[tuple[str, ...], int]) -> float:
     total = sum(stacks.values())
-    exact = sum(c for s, c in stacks.items() if s[0] == "chain" and TARGET_CHAIN[0] in s
-                and s[s.index("main"):] == TARGET_CHAIN)
+    exact = 0
+    for stack, count in stacks.items():
+        user = user_part(stack)
+        if user[:1] == ("chain",) and TARGET_CHAIN[0] in user \
+                and user[user.index(TARGET_CHAIN[0]):] == TARGET_CHAIN:
+            exact += count
     return exact / total if total else 0.0
 
 
