@@ -246,7 +246,9 @@ class Profiler:
                 timeout = min(timeout, FOLLOW_EVERY)
             young = self._young.seconds_to_next()
             if young is not None:
-                timeout = min(timeout, young)
+                # At most FOLLOW_EVERY apart: a Python program forking a
+                # hundred children a second must not wake the loop for each.
+                timeout = min(timeout, max(young, FOLLOW_EVERY))
             with contextlib.suppress(InterruptedError):
                 ready.poll(max(0.0, timeout) * 1000)
             self.poll_process_events()
@@ -327,7 +329,8 @@ class Profiler:
             try:
                 vsize = read_stat(pid, self.config.proc_root).vsize
             except (OSError, ProcessGone, ValueError):
-                continue  # gone: forgotten at the next refresh
+                self._young.forget(pid)  # gone
+                continue
             if vsize != last_vsize:
                 self._young.saw(key, vsize)
                 self._look_again([key])
