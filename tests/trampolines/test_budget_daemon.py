@@ -44,6 +44,16 @@ SETTLE_SECONDS = 20.0
 WINDOW_SECONDS = 3
 
 
+def budgeted_daemon(*args: str) -> Daemon:
+    """``tramprof run`` with ``python_overhead_budget = BUDGET`` (from its
+    environment, as a unit's Environment= would set it)."""
+    os.environ["TRAMPROF_PYTHON_OVERHEAD_BUDGET"] = str(BUDGET)
+    try:
+        return Daemon(*args)
+    finally:
+        del os.environ["TRAMPROF_PYTHON_OVERHEAD_BUDGET"]
+
+
 def paused_share(d: Daemon, pid: int) -> tuple[float, int]:
     stacks = folded(d, pid, WINDOW_SECONDS)
     total = sum(stacks.values())
@@ -53,11 +63,7 @@ def paused_share(d: Daemon, pid: int) -> tuple[float, int]:
 
 def test_the_daemon_sets_the_duty_cycle_of_another_users_process(
         host_interp: Interp, started) -> None:
-    os.environ["TRAMPROF_PYTHON_OVERHEAD_BUDGET"] = str(BUDGET)
-    try:
-        daemon = Daemon("--interval", "0.25", "--frequency", "199")
-    finally:
-        del os.environ["TRAMPROF_PYTHON_OVERHEAD_BUDGET"]
+    daemon = budgeted_daemon("--interval", "0.25", "--frequency", "199")
     try:
         proc = host_interp.popen("-c", CALLS, env={"TRAMPROF_TRAMPOLINES": "1"})
         started.append(proc)
@@ -102,11 +108,7 @@ MIN_PYTHON_SHARE = 0.9
 
 def test_a_short_lived_worker_is_unwound_and_budgeted_from_its_start(
         host_interp: Interp, started) -> None:
-    os.environ["TRAMPROF_PYTHON_OVERHEAD_BUDGET"] = str(BUDGET)
-    try:
-        daemon = Daemon("--frequency", "199")  # the default interval: 10 s
-    finally:
-        del os.environ["TRAMPROF_PYTHON_OVERHEAD_BUDGET"]
+    daemon = budgeted_daemon("--frequency", "199")  # the default interval: 10 s
     try:
         proc = host_interp.popen("-c", WORKER % {"seconds": WORKER_SECONDS},
                                  env={"TRAMPROF_TRAMPOLINES": "1"})

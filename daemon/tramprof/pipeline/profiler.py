@@ -323,6 +323,7 @@ class Profiler:
         for key, last_vsize in self._young.take_due():
             pid = key[0]
             if self.unwinders.mode_of(pid) != FP:  # taken since (followed to activation)
+                self._young.forget(pid)  # nothing more to look for
                 with self.errors.boundary(pid, "new_process", partial(self._drop, pid)):
                     self._read_jit_now(self.registry.warm(*key))
                 continue
