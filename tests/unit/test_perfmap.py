@@ -488,6 +488,38 @@ def test_for_process_refuses_tmp_symlinked_out_of_the_container(tmp_path: Path) 
     assert pm.lookup(0x1000) is None
 
 
+def test_written_says_whether_a_read_would_find_a_file_and_reads_nothing(
+        tmp_path: Path) -> None:
+    """The cheap check a young interpreter's look makes: a file of this
+    process is there; nothing, a stale file, a FIFO or a way out of the
+    container is not."""
+    proc = tmp_path / "proc"
+    tmp = proc / "4321" / "root" / "tmp"
+    tmp.mkdir(parents=True)
+    started = time.time_ns()
+    pm = PerfMap.for_process(4321, 7, UID, proc_root=str(proc), not_before_ns=started)
+    fds = _open_fds()
+    assert not pm.written()  # no file yet
+    write(tmp / "perf-7.map", b"1000 10 earlier process\n")
+    os.utime(tmp / "perf-7.map", ns=(started - 10**9, started - 10**9))
+    assert not pm.written()  # left by an earlier process with the pid
+    append(tmp / "perf-7.map", b"2000 10 this process\n")
+    assert pm.written()
+    assert pm.stats.bytes_read == 0 and not any(pm.stats.refused.values())
+    assert _open_fds() == fds
+    (tmp / "perf-7.map").unlink()
+    os.mkfifo(tmp / "perf-7.map")
+    assert not pm.written()
+    (tmp / "perf-7.map").unlink()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    write(outside / "perf-7.map", b"1000 10 escaped\n")
+    tmp.rmdir()
+    tmp.symlink_to(outside)
+    assert not pm.written()
+    assert _open_fds() == fds
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

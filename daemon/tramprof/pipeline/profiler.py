@@ -318,15 +318,21 @@ class Profiler:
             image.jit.read_now()
 
     def _look_at_young_interpreters(self) -> None:
-        """The looks due (pipeline.young): the maps again if the address
-        space changed size since the last look."""
+        """The looks due (pipeline.young): the maps again if the process has
+        written its perf map and its address space changed size since the
+        last look that read them."""
         for key, last_vsize in self._young.take_due():
             pid = key[0]
+            image: ProcessImage | None = None
+            with self.errors.boundary(pid, "new_process", partial(self._drop, pid)):
+                image = self.registry.warm(*key)
             if self.unwinders.mode_of(pid) != FP:  # taken since (followed to activation)
                 self._young.forget(pid)  # nothing more to look for
                 with self.errors.boundary(pid, "new_process", partial(self._drop, pid)):
-                    self._read_jit_now(self.registry.warm(*key))
+                    self._read_jit_now(image)
                 continue
+            if image is None or image.jit is None or not image.jit.perf_map_written():
+                continue  # gone, or no trampolines yet: nothing a mode would take
             try:
                 vsize = read_stat(pid, self.config.proc_root).vsize
             except (OSError, ProcessGone, ValueError):

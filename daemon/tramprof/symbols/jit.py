@@ -188,6 +188,17 @@ class JitSymbols:
             self.unavailable = True
             log.debug("no perf map / jitdump lookup for pid %d: %s", self.pid, exc)
 
+    def perf_map_written(self) -> bool:
+        """Whether the process has written its perf map: what both trampoline
+        modes name Python frames from, so a young interpreter without one is
+        not under them yet (pipeline.young)."""
+        if self.unavailable:
+            return False
+        try:
+            return self.perf_map.written()
+        except (OSError, ValueError, IndexError, SymbolizationError):
+            return False
+
     def _lookup(self, addr: int) -> str | None:
         return self.perf_map.lookup(addr) or self.jitdump.lookup(addr)
 

@@ -190,6 +190,10 @@ class ProcessTmpFile:
         """The file this reader follows."""
         return self._tail.full_path
 
+    def written(self) -> bool:
+        """Whether the process has written the file (``TailReader.written``)."""
+        return self._tail.written()
+
 
 class TailReader:
     """Remembers (dev, inode, offset) of one path and hands out new bytes.
@@ -281,6 +285,17 @@ class TailReader:
         if self.root is not None:
             self._kept.keep(opened.fileno(), opened.identity)  # no-op for the file kept
         return TailSession(self, opened, reset, reloaded)
+
+    def written(self) -> bool:
+        """Whether the file is there, safe to open and written since the
+        process started: opened and closed, nothing read or counted (a
+        check of whether a reader would find anything, at a fraction of a
+        read's cost)."""
+        opened = open_untrusted(self.path, self.expected_uid, self.max_bytes, root=self.root)
+        if isinstance(opened, Refusal):
+            return False
+        with opened:
+            return self.not_before_ns is None or opened.identity.mtime_ns >= self.not_before_ns
 
     def _stale_prefix(self, f: SafeFile) -> int:
         """Bytes at the start of this file that an earlier process wrote: the
