@@ -189,7 +189,7 @@ def publish(monkeypatch, published: list[Descriptor]) -> list[int]:
     whole descriptor was read."""
     reads: list[int] = []
 
-    def read(pid, root, locator=None):
+    def read(pid, root, locator=None, mappings=None):
         reads.append(pid)
         return published[-1]
 
@@ -289,7 +289,7 @@ def test_between_drains_the_chain_mode_reads_only_what_the_walker_reported(
 
 def test_chain_mode_counts_unreadable_and_unsupported_descriptors(runtime_mappings,
                                                                   monkeypatch):
-    def unreadable(pid, root, locator=None):
+    def unreadable(pid, root, locator=None, mappings=None):
         raise DescriptorError("cannot read mem")
 
     monkeypatch.setattr(chain_module, "read_descriptor", unreadable)
@@ -300,7 +300,7 @@ def test_chain_mode_counts_unreadable_and_unsupported_descriptors(runtime_mappin
     assert chain.report(PID).problem
 
     monkeypatch.setattr(chain_module, "read_descriptor",
-                        lambda pid, root, locator=None: descriptor(
+                        lambda pid, root, locator=None, mappings=None: descriptor(
                             True, [(ARENA, ARENA + 0x1000)], abi=9))
     chain.refresh({PID})
     assert chain.errors() == {"descriptor_unreadable": 1, "unsupported_runtime": 1}
@@ -330,12 +330,13 @@ def test_registry_prefers_chain_and_scan_lets_go(runtime_mappings, monkeypatch):
 def test_a_new_runtime_is_followed_between_refreshes_while_it_is_young(
         runtime_mappings, monkeypatch):
     """The .pth loads the runtime, then activates it, then the program's own
-    code fills new arenas: each is taken up on the next wake of the loop, not
-    at the next full refresh, for the process's first seconds."""
+    code fills new arenas: each is taken up on the next wake of the loop
+    after the walker reported it (not at the next full refresh), for the
+    process's first seconds."""
     published = [descriptor(False, [])]
     reads: list[int] = []
 
-    def read(pid, root, locator=None):
+    def read(pid, root, locator=None, mappings=None):
         reads.append(pid)
         return published[-1]
 
@@ -357,10 +358,15 @@ def test_a_new_runtime_is_followed_between_refreshes_while_it_is_young(
     published.append(descriptor(True, [(ARENA, ARENA + 0x1000), (ARENA + 0x8000, ARENA + 0x9000)],
                                 generation=3))
     clock[0] += NEWCOMER_SECONDS - 0.1
+    modes.follow({PID})  # active, and no report of its walker: nothing read
+    assert reads == [PID] * 2
+    maps.stale = {PID, PID + 1}
     modes.follow({PID})
     assert maps.state[(PID, b"chain_procs")][1] == {(ARENA, ARENA + 0x1000),
                                                      (ARENA + 0x8000, ARENA + 0x9000)}
+    assert chain._stale == {PID + 1}  # kept for the next refresh
     clock[0] += 0.2  # no longer young: left to the full refresh
+    maps.stale = {PID}
     modes.follow({PID})
     assert reads == [PID] * 3 and not modes.following()
 

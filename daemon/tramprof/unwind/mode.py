@@ -254,7 +254,8 @@ class Newcomers:
     at a process about once a second at most; a newcomer's
     runtime activates milliseconds after the mode first saw it, and its
     first stubs fill new arenas while its code runs for the first time (a
-    stub in an arena not yet installed ends the walk there). A command that
+    stub in an arena not yet installed ends the walk there; the chain
+    walker reports that, scan mode has no such sign). A command that
     lives three seconds would lose a third of its samples waiting for the
     refresh."""
 
