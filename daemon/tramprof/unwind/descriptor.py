@@ -20,6 +20,7 @@ import os
 import re
 import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -235,12 +236,16 @@ class DescriptorLocator:
 
 
 def find_descriptor_address(pid: int, proc_root: str = "/proc",
-                            locator: DescriptorLocator | None = None) -> tuple[int, str]:
-    """(address of tramprof_descriptor in *pid*, extension path)."""
-    try:
-        mappings = read_maps(pid, proc_root)
-    except (OSError, SymbolizationError) as exc:
-        raise DescriptorError(f"cannot read the maps of process {pid}: {exc}") from exc
+                            locator: DescriptorLocator | None = None,
+                            mappings: Sequence[Mapping] | None = None) -> tuple[int, str]:
+    """(address of tramprof_descriptor in *pid*, extension path), from
+    ``mappings`` when the caller has just read them (a read of an
+    interpreter's maps is a few hundred microseconds)."""
+    if mappings is None:
+        try:
+            mappings = read_maps(pid, proc_root)
+        except (OSError, SymbolizationError) as exc:
+            raise DescriptorError(f"cannot read the maps of process {pid}: {exc}") from exc
     by_path: dict[str, list[Mapping]] = {}
     for mapping in mappings:
         if EXTENSION_RE.search(mapping.path):
@@ -265,18 +270,21 @@ def _cstr(raw: bytes) -> str:
 
 
 def read_descriptor(pid: int, proc_root: str = "/proc",
-                    locator: DescriptorLocator | None = None) -> Descriptor:
+                    locator: DescriptorLocator | None = None,
+                    mappings: Sequence[Mapping] | None = None) -> Descriptor:
     """Read and validate the descriptor of process *pid* (at the address
-    ``locator`` knows, if it still holds one)."""
+    ``locator`` knows, if it still holds one; else found from ``mappings``,
+    its maps just read, if given)."""
     if locator is None:
-        return _read_at(pid, *find_descriptor_address(pid, proc_root), proc_root)
+        return _read_at(pid, *find_descriptor_address(pid, proc_root, mappings=mappings),
+                        proc_root)
     known = locator.known(pid)
     if known is not None:
         try:
             return _read_at(pid, *known, proc_root)
         except DescriptorError:
             locator.forget(pid)  # gone, or not a descriptor there any more: look again
-    found = find_descriptor_address(pid, proc_root, locator)
+    found = find_descriptor_address(pid, proc_root, locator, mappings)
     descriptor = _read_at(pid, *found, proc_root)
     locator.remember(pid, found)
     return descriptor
