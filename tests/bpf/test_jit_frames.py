@@ -136,6 +136,7 @@ def test_a_fifo_at_the_perf_map_path_does_not_stop_record(targets, start_target)
     refused without blocking, and the profile must still come out on time."""
     target = start_target(str(targets / "jit"), "30", "nomap")
     fifo = Path(f"/tmp/perf-{target.pid}.map")
+    fifo.unlink(missing_ok=True)  # left by an earlier process with this pid
     os.mkfifo(fifo, 0o644)
     try:
         target.go()

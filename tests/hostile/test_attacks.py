@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -164,6 +165,8 @@ def test_a_fifo_is_refused_after_an_exec_too(daemon, targets, start_target):
                    reason="perf_map_not_regular")
     target = start_target(sys.executable, "-c", SPIN_THEN_EXEC, str(targets / "jit"), "30",
                           "nomap")
+    # A map left by an earlier process with this pid: not what is planted.
+    Path(f"/tmp/perf-{target.pid}.map").unlink(missing_ok=True)
     os.mkfifo(f"/tmp/perf-{target.pid}.map", 0o644)
     target.go()
     metrics = settle(daemon)

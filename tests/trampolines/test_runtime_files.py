@@ -108,6 +108,13 @@ def warnings_in(stderr: str) -> list[str]:
     return [x for x in stderr.splitlines() if x.startswith("tramprof_trampolines: ")]
 
 
+def clear_leftover(path: Path) -> None:
+    """An earlier process with this pid (pids wrap at 32768 on a small
+    machine) may have left its file at ``path``: not the plant under test."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+
+
 @pytest.fixture
 def planted() -> Iterator[list[Path]]:
     """Paths the test planted, removed at the end whatever they are."""
@@ -267,10 +274,7 @@ def test_perf_map_path_taken(interp: Interp, started: list, planted: list, scrat
     def do_plant(pid: int) -> None:
         path = interp.perf_map(pid)
         planted.append(path)
-        # An earlier process with this pid (pids wrap at 32768 on a small
-        # machine) may have left its map there: not the plant under test.
-        if path.is_symlink() or path.is_file():
-            path.unlink()
+        clear_leftover(path)
         state.update(plant.make(path, scratch))
 
     run = run_target(interp, started, do_plant)
@@ -340,6 +344,7 @@ def test_jitdump_fifo(interp: Interp, started: list, planted: list) -> None:
     def do_plant(pid: int) -> None:
         path = interp.host_path(f"/tmp/jit-{pid}.dump")
         planted.extend([path, interp.perf_map(pid)])
+        clear_leftover(path)
         state.update(plant.make(path, Path("/")))
 
     run = run_target(interp, started, do_plant, jitdump=True)
@@ -380,6 +385,7 @@ def test_fork_child_writes_map_when_parent_could_not(interp: Interp, started: li
     def do_plant(pid: int) -> None:
         path = interp.perf_map(pid)
         planted.append(path)
+        clear_leftover(path)
         os.mkfifo(path, 0o666)
 
     run = run_target(interp, started, do_plant, fork=True)

@@ -47,8 +47,12 @@ def lying_descriptor(library: str) -> None:
 def fifo_perf_map() -> None:
     # The FIFOs first: the daemon looks for the perf map within a millisecond
     # of the first sample in the JIT code.
-    os.mkfifo(f"/tmp/perf-{os.getpid()}.map", 0o644)
-    os.mkfifo(f"/tmp/jit-{os.getpid()}.dump", 0o644)
+    for path in (f"/tmp/perf-{os.getpid()}.map", f"/tmp/jit-{os.getpid()}.dump"):
+        try:
+            os.mkfifo(path, 0o644)
+        except FileExistsError:  # left by an earlier process of ours with this pid
+            os.unlink(path)
+            os.mkfifo(path, 0o644)
     code = anon_exec()
     code.write(JMP_SELF)
     run_inside(code, 0)  # JIT code to name: the daemon looks for the perf map
