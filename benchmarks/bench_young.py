@@ -58,22 +58,40 @@ while time.monotonic() - began < float(sys.argv[1]):
     time.sleep(0.25)
 """
 
-#: Starts ``rate`` workers a second at a steady pace until killed, reaping
-#: them as they end; prints how many it started when stopped by stdin closing.
+#: Starts ``rate`` workers a second at a steady pace until stdin closes,
+#: reaping them as they end; prints how many it started. The perf maps the
+#: runtime leaves are removed 15 s after their process ended (after the
+#: drain that reads them): thousands of them would fill /tmp, and a later
+#: process given one of their pids would find one there.
 SPAWNER = """
-import subprocess, sys, threading, time
+import os, subprocess, sys, threading, time
 rate, life, worker = float(sys.argv[1]), sys.argv[2], sys.argv[3]
-started, children, stopping = 0, [], threading.Event()
+started, children, ended, stopping = 0, [], [], threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stopping.set()), daemon=True).start()
+
+def remove_files(older_than):
+    while ended and ended[0][1] <= older_than:
+        pid, _ = ended.pop(0)
+        for path in (f"/tmp/perf-{pid}.map", f"/tmp/jit-{pid}.dump"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
 next_at = time.monotonic()
 while not stopping.is_set():
     children.append(subprocess.Popen([sys.executable, worker, life]))
     started += 1
-    children = [c for c in children if c.poll() is None]
+    for child in [c for c in children if c.poll() is not None]:
+        ended.append((child.pid, time.monotonic()))
+        children.remove(child)
+    remove_files(time.monotonic() - 15)
     next_at += 1 / rate
     stopping.wait(max(0.0, next_at - time.monotonic()))
 for child in children:
     child.wait()
+    ended.append((child.pid, time.monotonic()))
+remove_files(float("inf"))
 print(started, flush=True)
 """
 
