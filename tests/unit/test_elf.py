@@ -12,13 +12,14 @@ import shutil
 import struct
 import subprocess
 import sys
+from array import array
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tramprof.model import SymbolizationError
-from tramprof.symbols.elf import ElfCache, ElfError, ElfSymbols, read_build_id
+from tramprof.symbols.elf import ElfCache, ElfError, ElfSymbols, LoadSegment, read_build_id
 
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O2", "-fno-omit-frame-pointer"]
@@ -203,6 +204,41 @@ def test_file_offset_to_vaddr_matches_program_headers(bins: dict[str, Path], whi
     assert elf.file_offset_to_vaddr(end + 0x10000) is None
 
 
+@pytest.mark.parametrize("which", ["pie", "nopie", "lib", "fs32"])
+def test_executable_span_agrees_with_file_offset_to_vaddr(bins: dict[str, Path],
+                                                          which: str) -> None:
+    """Every offset of the span maps as ``file_offset_to_vaddr`` maps it;
+    the bytes just outside it do not belong to it."""
+    elf = ElfSymbols.from_path(bins[which])
+    (offset, vaddr, filesz), = [
+        (s.offset, s.vaddr, s.filesz) for s in elf.segments if s.executable]
+    for inside in (offset, offset + filesz // 2, offset + filesz - 1):
+        first, end, bias = elf.executable_span(inside) or (0, 0, 0)
+        assert (first, end, bias) == (offset, offset + filesz, vaddr - offset)
+        for at in range(first, end, max(1, (end - first) // 997)):
+            assert elf.file_offset_to_vaddr(at) == at + bias
+    assert elf.executable_span(offset + filesz) is None
+    assert elf.executable_span(max(0, offset - 1)) is None or offset == 0
+
+
+def test_executable_span_needs_one_executable_segment_alone() -> None:
+    """Two executable segments sharing file bytes (old layouts): which one
+    an offset maps through depends on the offset, so there is no span."""
+    def elf(*segments: LoadSegment) -> ElfSymbols:
+        return ElfSymbols(build_id=None, elf_class=64, elf_type="ET_DYN", machine="EM_X86_64",
+                          segments=segments, starts=array("Q"), names=[])
+
+    text = LoadSegment(offset=0x1000, vaddr=0x401000, filesz=0x800, memsz=0x800, flags=5)
+    data = LoadSegment(offset=0x1600, vaddr=0x602600, filesz=0x400, memsz=0x400, flags=6)
+    assert elf(text, data).executable_span(0x1700) == (0x1000, 0x1800, 0x400000)
+    more_text = LoadSegment(offset=0x1700, vaddr=0x801700, filesz=0x400, memsz=0x400, flags=5)
+    assert elf(text, more_text).executable_span(0x1100) is None
+    assert elf(text, more_text).executable_span(0x1a00) is None
+    assert elf(data).executable_span(0x1700) is None
+    empty = LoadSegment(offset=0x1000, vaddr=0x401000, filesz=0, memsz=0x800, flags=5)
+    assert elf(empty).executable_span(0x1000) is None
+
+
 def test_from_bytes_equals_from_path(bins: dict[str, Path]) -> None:
     a = ElfSymbols.from_path(bins["lib"])
     b = ElfSymbols.from_bytes(bins["lib"].read_bytes())
@@ -305,6 +341,7 @@ def test_corrupted_elf_never_escapes_as_other_exception(
         return
     elf.resolve_vaddr(0x1150)
     elf.file_offset_to_vaddr(0x1150)
+    elf.executable_span(0x1150)
 
 
 # -- cache -------------------------------------------------------------------

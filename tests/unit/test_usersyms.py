@@ -170,6 +170,42 @@ def test_names_found_in_one_process_are_shared_with_the_next(
             second.resolve(static2)
 
 
+@pytest.mark.parametrize("which", ["pie", "nopie"])
+def test_a_shared_name_is_found_without_a_search(
+        bins: dict[str, Path], which: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a process has looked up one address of a mapping, a name another
+    process found elsewhere in it comes back from ``shared_lookup`` by one
+    addition, with the same answer as ``lookup``; a name nobody found yet,
+    an address past the segment's bytes and a re-read of the maps all say
+    "ask lookup" (None)."""
+    cache, stats = ElfCache(), SymbolizationStats()
+    with running(bins[which]) as (p1, (leaf1, _)), \
+            running(bins[which]) as (p2, (leaf2, static2)):
+        first = ProcessSymbolizer(p1.pid, cache, stats)
+        assert first.resolve(leaf1) == "tramprof_unit_leaf"
+        second = ProcessSymbolizer(p2.pid, cache, stats)
+        assert second.shared_lookup(leaf2) is None  # nothing looked up here yet
+        assert second.resolve(static2 + 1) == "tramprof_unit_static"
+        expected = second.lookup(leaf2)
+
+        def searched(self: ElfSymbols, offset: int) -> int | None:
+            raise AssertionError("searched the segments")
+
+        monkeypatch.setattr(ElfSymbols, "file_offset_to_vaddr", searched)
+        assert second.shared_lookup(leaf2) == expected
+        assert expected[0] == "tramprof_unit_leaf"
+        assert second.shared_lookup(leaf2 + 3) is None  # not found by anyone yet
+        mapping = expected[1]
+        assert mapping is not None
+        offset, _vaddr, filesz = _exec_load(bins[which])
+        past = mapping.start + (offset + filesz - mapping.offset)
+        if past < mapping.end:  # the page's tail after the segment's bytes
+            assert second.shared_lookup(past) is None
+        second.reload_maps()
+        assert second.shared_lookup(leaf2) is None
+    assert stats.total() == 0
+
+
 @needs_root
 def test_later_processes_of_a_program_are_warmed_without_opening_its_objects(
         bins: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -190,6 +190,22 @@ class ElfSymbols:
             self._memory = _START_BYTES * len(self._starts) + self._names.packed_bytes()
         return self._memory
 
+    def executable_span(self, offset: int) -> tuple[int, int, int] | None:
+        """The executable segment holding file ``offset``, when it is the
+        only one holding any of its bytes: its file range ``[first, end)``
+        and ``vaddr - file offset`` in it (``file_offset_to_vaddr`` of any
+        offset in the range is one addition). None otherwise."""
+        holders = [seg for seg in self.segments if seg.executable and seg.filesz > 0]
+        found = [seg for seg in holders if seg.contains_offset(offset)]
+        if len(found) != 1:
+            return None
+        seg = found[0]
+        end = seg.offset + seg.filesz
+        if any(other is not seg and other.offset < end and seg.offset < other.offset + other.filesz
+               for other in holders):
+            return None
+        return seg.offset, end, seg.vaddr - seg.offset
+
     def file_offset_to_vaddr(self, offset: int) -> int | None:
         """ELF virtual address of a file offset, via the PT_LOAD that maps it.
 
@@ -573,6 +589,10 @@ class ElfCache:
         """The name another process found at ``vaddr`` of ``obj``, if any."""
         key = obj.cache_key
         return self._names.get((key, vaddr)) if key is not None else None
+
+    def shared_name_at(self, key: str, vaddr: int) -> str | None:
+        """``shared_name`` by the object's ``cache_key``."""
+        return self._names.get((key, vaddr))
 
     def share_name(self, obj: ElfSymbols, vaddr: int, name: str) -> None:
         """Remember the final (demangled) name found at ``vaddr`` of ``obj``."""

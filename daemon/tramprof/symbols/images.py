@@ -227,7 +227,8 @@ class ProcessImage:
                  ) -> tuple[str, FrameSource | None]:
         """``lookup`` past the caches: found by the symbolizer, then cached
         where there is code (none now: maybe some later)."""
-        name, mapping = symbolizer.lookup(addr)
+        shared = symbolizer.shared_lookup(addr)
+        name, mapping = shared if shared is not None else symbolizer.lookup(addr)
         if mapping is None:
             return name, None
         if mapping.is_anonymous:

@@ -179,6 +179,11 @@ class ProcessSymbolizer:
         self._debug_tables: dict[Mapping, DebugTable | None] = {}
         # Files opened by preload() and not parsed yet (shared: ElfCache.hold).
         self._held: dict[Mapping, BinaryIO] = {}
+        # Executable file mappings resolved before, by start: the mapping,
+        # its object's key in the shared names, the addresses in it of one
+        # executable segment and the bias from those to the object's vaddrs
+        # (``shared_lookup``). Emptied when the maps are read again.
+        self._direct: dict[int, tuple[Mapping, str, int, int, int]] = {}
 
     # -- maps -------------------------------------------------------------
 
@@ -220,6 +225,7 @@ class ProcessSymbolizer:
             self._debug_tables = {m: t for m, t in self._debug_tables.items() if m in live}
         self._mappings = mappings
         self._starts = [m.start for m in mappings]
+        self._direct = {}
 
     def preload(self) -> None:
         """Read the maps and open every mapped executable now, while the
@@ -311,6 +317,23 @@ class ProcessSymbolizer:
             return m.display_path, m
         return self._resolve_file(m, addr), m
 
+    def shared_lookup(self, addr: int) -> tuple[str, Mapping] | None:
+        """``lookup``'s answer when it needs no search: ``addr`` is in an
+        executable file mapping looked up here before, and some process has
+        already found the name at that place of the file (``ElfCache``'s
+        shared names). The processes of one program (workers, short-lived
+        runs of one tool) mostly name code another has named. None: ask
+        ``lookup``."""
+        at = bisect_right(self._starts, addr) - 1
+        if at < 0:
+            return None
+        m = self._mappings[at]
+        direct = self._direct.get(m.start)
+        if direct is None or direct[0] is not m or not direct[2] <= addr < direct[3]:
+            return None
+        name = self._cache.shared_name_at(direct[1], addr + direct[4])
+        return None if name is None else (name, m)
+
     def _resolve_file(self, m: Mapping, addr: int) -> str:
         obj = self._objects.get(m)
         if obj is None:
@@ -319,6 +342,13 @@ class ProcessSymbolizer:
         if isinstance(obj, FailureReason):
             self.stats.incr(obj)
             return f"{m.basename}+0x{file_offset:x}"
+        if m.start not in self._direct and obj.cache_key is not None:
+            span = obj.executable_span(m.offset)
+            if span is not None:
+                first, end, bias = span
+                self._direct[m.start] = (
+                    m, obj.cache_key, max(m.start, m.start + first - m.offset),
+                    min(m.end, m.start + end - m.offset), m.offset - m.start + bias)
         vaddr = obj.file_offset_to_vaddr(file_offset)
         if vaddr is None:
             self.stats.incr(FailureReason.NO_SYMBOL)
