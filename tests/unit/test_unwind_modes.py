@@ -18,10 +18,12 @@ from tramprof.unwind.arenas import Arenas
 from tramprof.unwind.chain import ChainMode
 from tramprof.unwind.descriptor import (
     DUTY_ALWAYS,
+    EXTENSION_RE,
     Changes,
     Descriptor,
     DescriptorError,
     DutyState,
+    is_runtime_extension,
 )
 from tramprof.unwind.mode import (
     FP,
@@ -207,6 +209,21 @@ def runtime_mappings(tmp_path):
                 "/venv/lib/python3.11/site-packages/tramprof_trampolines/_runtime.cpython-311"
                 "-x86_64-linux-gnu.so\n")
     return proc
+
+
+@pytest.mark.parametrize(("path", "expected"), [
+    ("/venv/lib/python3.11/site-packages/tramprof_trampolines/_runtime.cpython-311"
+     "-x86_64-linux-gnu.so", True),
+    ("/usr/lib/python3/dist-packages/tramprof_trampolines/_runtime.abi3.so (deleted)", True),
+    ("/opt/x/tramprof_trampolines/_runtime.cpython-311-x86_64-linux-gnu.so.bak", False),
+    ("/opt/x/tramprof_trampolines/_runtime/evil.so", False),
+    ("/opt/x/not_tramprof_trampolines/_runtimes.so", False),
+    ("/usr/lib/x86_64-linux-gnu/libc.so.6", False),
+    ("", False),
+])
+def test_the_runtime_extension_is_known_by_its_path(path, expected):
+    assert is_runtime_extension(path) is expected
+    assert is_runtime_extension(path) == bool(EXTENSION_RE.search(path))
 
 
 def test_chain_mode_installs_once_active_and_grows_with_the_descriptor(runtime_mappings,

@@ -27,7 +27,7 @@ from tramprof.procfs.identity import read_start_ticks, read_stat, read_status_id
 from tramprof.procfs.maps import Mapping, read_maps
 from tramprof.procfs.memory import MemoryReadError, read_memory
 from tramprof.symbols.safeopen import Refusal, open_mapping, open_untrusted
-from tramprof.unwind.descriptor import EXTENSION_RE, DescriptorError, read_descriptor
+from tramprof.unwind.descriptor import DescriptorError, is_runtime_extension, read_descriptor
 
 # Refusal reasons, exported as the ``result`` label of tramprof_injections_total.
 NOT_CPYTHON = "not_cpython"
@@ -291,7 +291,7 @@ def _perf_map_has_stubs(pid: int, nspid: int, euid: int, proc_root: str) -> bool
 def trampolines_active(pid: int, nspid: int, euid: int, start_ticks: int,
                        mappings: Sequence[Mapping], proc_root: str = "/proc") -> str | None:
     """Which trampolines already run in the process, or None."""
-    if any(EXTENSION_RE.search(m.path) for m in mappings):
+    if any(is_runtime_extension(m.path) for m in mappings):
         try:
             if read_descriptor(pid, proc_root).active:
                 return "tramprof's trampoline runtime is active"

@@ -21,12 +21,12 @@ from tramprof.sampler import layout
 from tramprof.sampler.maps import MapFull
 from tramprof.unwind.arenas import Arenas
 from tramprof.unwind.descriptor import (
-    EXTENSION_RE,
     PAUSED_OFFSET,
     Descriptor,
     DescriptorError,
     DescriptorLocator,
     DutyState,
+    is_runtime_extension,
     read_changes,
     read_descriptor,
 )
@@ -101,7 +101,7 @@ class ChainMode:
         return Counter(self._errors)
 
     def consider(self, pid: int, mappings: Sequence[Mapping]) -> None:
-        if pid not in self._candidates and any(EXTENSION_RE.search(m.path) for m in mappings):
+        if pid not in self._candidates and any(is_runtime_extension(m.path) for m in mappings):
             self._candidates.add(pid)
             self._update(pid, mappings)
             self._newcomers.add(pid)

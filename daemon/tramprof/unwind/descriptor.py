@@ -42,6 +42,13 @@ SYMBOL = "tramprof_descriptor"
 #: Matches the runtime extension's path in /proc/PID/maps.
 EXTENSION_RE = re.compile(r"/tramprof_trampolines/_runtime[^/]*\.so(?: \(deleted\))?$")
 
+
+def is_runtime_extension(path: str) -> bool:
+    """Whether a mapped path is the runtime extension's (``EXTENSION_RE``).
+    A substring test first: every mapping of every new process is asked,
+    and almost none is it (a quarter of the cost of the pattern alone)."""
+    return "/tramprof_trampolines/_runtime" in path and EXTENSION_RE.search(path) is not None
+
 # struct tramprof_descriptor, little-endian: 136 bytes in ABI 1, 184 in ABI 2.
 _LAYOUT_V1 = struct.Struct("<8s6Iq2IiIQ2I2Q32s16s")
 _DUTY = struct.Struct("<4I4Q")
@@ -248,7 +255,7 @@ def find_descriptor_address(pid: int, proc_root: str = "/proc",
             raise DescriptorError(f"cannot read the maps of process {pid}: {exc}") from exc
     by_path: dict[str, list[Mapping]] = {}
     for mapping in mappings:
-        if EXTENSION_RE.search(mapping.path):
+        if is_runtime_extension(mapping.path):
             by_path.setdefault(mapping.path, []).append(mapping)
     if not by_path:
         raise DescriptorError(f"process {pid} has not loaded tramprof_trampolines")
