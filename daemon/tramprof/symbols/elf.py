@@ -588,7 +588,7 @@ class ElfCache:
     def shared_name(self, obj: ElfSymbols, vaddr: int) -> str | None:
         """The name another process found at ``vaddr`` of ``obj``, if any."""
         key = obj.cache_key
-        return self._names.get((key, vaddr)) if key is not None else None
+        return self.shared_name_at(key, vaddr) if key is not None else None
 
     def shared_name_at(self, key: str, vaddr: int) -> str | None:
         """``shared_name`` by the object's ``cache_key``."""

@@ -324,10 +324,9 @@ class ProcessSymbolizer:
         shared names). The processes of one program (workers, short-lived
         runs of one tool) mostly name code another has named. None: ask
         ``lookup``."""
-        at = bisect_right(self._starts, addr) - 1
-        if at < 0:
+        m = self.mapping_for(addr)
+        if m is None:
             return None
-        m = self._mappings[at]
         direct = self._direct.get(m.start)
         if direct is None or direct[0] is not m or not direct[2] <= addr < direct[3]:
             return None
