@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
     best = dict.fromkeys(passes, float("inf"))
     with sleepers(args.processes * args.rounds + 1) as procs:
         registry = ProcessRegistry()
-        first = new_image(registry, procs.pop().pid)
+        first = new_image(registry, procs[-1].pid)  # the others are named below
         assert first.symbolizer is not None
         offsets = {m.path: sorted(rng.randrange(m.offset, m.offset + m.end - m.start)
                                   for _ in range(args.frames))
