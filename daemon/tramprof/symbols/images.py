@@ -39,6 +39,11 @@ from tramprof.symbols.usersyms import (
     read_kernel_vdso,
 )
 
+try:
+    from tramprof import _speedups
+except ImportError:  # built without a C compiler: the same, in Python
+    _speedups = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 # Distinct addresses remembered per process image; bounds memory for
@@ -149,20 +154,12 @@ class ProcessImage:
         these addresses while ``naming_state`` stays), else None (some frame
         was looked up: asked again, it may be answered otherwise)."""
         symbolizer = self._validate_caches()
-        # Markers are looked up too, and miss.
-        found = list(map(cast("dict[int | str, _Named]", self.found).get, addresses))
-        jit_hits = 0
-        if None in found:
-            # Two lookups a frame and one pass to take whichever answered,
-            # not a loop over the frames: stacks of Python under trampolines
-            # are half JIT code.
-            in_jit = map(cast("dict[int | str, _Named]", self.jit_found).get, addresses)
-            files_missed = found.count(None)
-            found = [answer or jit for answer, jit in zip(found, in_jit, strict=True)]
-            jit_hits = files_missed - found.count(None)
+        if _speedups is not None and type(addresses) is list:
+            found, jit_hits, at = _speedups.cached_answers(addresses, self.found, self.jit_found)
+        else:
+            found, jit_hits, at = self._cached_answers(addresses)
         looked_up = False
-        if None in found:
-            at = found.index(None)
+        if at >= 0:
             while True:
                 addr = addresses[at]
                 answer = None if isinstance(addr, str) else self.jit_found.get(addr)
@@ -181,10 +178,32 @@ class ProcessImage:
                     break
         self.count_jit_hits(jit_hits)
         cached = None if looked_up else jit_hits
-        if not found:
+        answers = cast("list[_Named]", found)
+        split = None if _speedups is None else _speedups.split_pairs(answers)
+        if split is not None:
+            return split[0], split[1], cached
+        if not answers:
             return [], [], cached
-        names, sources = zip(*cast("list[_Named]", found), strict=True)
+        names, sources = zip(*answers, strict=True)
         return list(names), list(sources), cached
+
+    def _cached_answers(self, addresses: Sequence[int | str]
+                        ) -> tuple[list[_Named | None], int, int]:
+        """Each address's answer in the caches (None: a miss), how many the
+        JIT caches gave, and the first miss (-1: none). ``_speedups`` does
+        the same in C."""
+        # Markers are looked up too, and miss.
+        found = list(map(cast("dict[int | str, _Named]", self.found).get, addresses))
+        jit_hits = 0
+        if None in found:
+            # Two lookups a frame and one pass to take whichever answered,
+            # not a loop over the frames: stacks of Python under trampolines
+            # are half JIT code.
+            in_jit = map(cast("dict[int | str, _Named]", self.jit_found).get, addresses)
+            files_missed = found.count(None)
+            found = [answer or jit for answer, jit in zip(found, in_jit, strict=True)]
+            jit_hits = files_missed - found.count(None)
+        return found, jit_hits, found.index(None) if None in found else -1
 
     def naming_state(self) -> tuple[int, int, int]:
         """What the cached answers depend on: while it stays the same, the

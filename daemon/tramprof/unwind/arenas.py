@@ -63,6 +63,12 @@ class Arenas:
         return (self._starts[0], self._ends[-1]) if self._ranges else (0, 0)
 
     @property
+    def search_lists(self) -> tuple[list[int], list[int]]:
+        """The arenas' starts and ends, each sorted, for a compiled search
+        that reads them as they are (never to be changed)."""
+        return self._starts, self._ends
+
+    @property
     def size(self) -> int:
         """Bytes covered by all arenas."""
         return sum(e - s for s, e in self._ranges)

@@ -16,8 +16,34 @@ from tramprof.model import NATIVE_GAP, PYTHON_PAUSED, RawSample
 from tramprof.sampler import layout
 from tramprof.unwind.arenas import Arenas
 
+try:
+    from tramprof import _speedups
+except ImportError:  # built without a C compiler: the same, in Python
+    _speedups = None  # type: ignore[assignment]
+
+_INCOMPLETE = layout.TABLE_STOP | layout.USTACK_FAULT
+
 
 def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
+    """``merged_user_addresses``, by the compiled pass where it takes the
+    sample (nearly always: see ``_speedups.c``)."""
+    flags = sample.user_flags
+    if _speedups is None or flags & layout.PYTHON_PAUSED:
+        return merged_user_addresses(sample, stubs)
+    if sample.trampoline_frames and stubs is not None:
+        starts, ends = stubs.search_lists
+        merged = _speedups.merge_trampolines(sample.user_ips, sample.user_sps,
+                                             sample.trampoline_frames, starts, ends,
+                                             bool(flags & _INCOMPLETE), NATIVE_GAP)
+    else:
+        merged = _speedups.merge_trampolines(sample.user_ips, sample.user_sps, (), [], [],
+                                             False, NATIVE_GAP)
+        if merged is not None and flags & layout.TABLE_STOP:
+            merged.append(NATIVE_GAP)
+    return merged_user_addresses(sample, stubs) if merged is None else merged
+
+
+def merged_user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
     """Lookup addresses of the user stack, leaf first, with the trampoline
     frames merged in by stack address (markers as strings).
 

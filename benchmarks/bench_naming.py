@@ -1,0 +1,192 @@
+"""What naming one drained stack costs the daemon once its process's caches
+know every address (the steady state of a busy node), with the compiled
+passes (``tramprof._speedups``) and in Python alone, side by side.
+
+A ``python3`` process (asleep) gives the native frames: ``--pool`` addresses
+with a function name in its mapped executable files, named once so that they
+are cached. Stub and trampoline frames are made up in an anonymous range
+(the process has no runtime; their names are put in the image's JIT cache as
+the runtime's perf map would name them). ``--stacks`` distinct samples per
+drain, as the busy node's mix: Python stacks under the runtime (``--native``
+native frames, every third a stub's return address, and one trampoline frame
+per stub) and native stacks of 60 frames, each with 3 kernel frames. Every
+sample is named through ``StackNamer.name``, the daemon's path; each drain
+has a new stack cache, so no stack is found again whole.
+
+Reported: CPU per stack (``time.process_time``, least of ``--rounds`` rounds,
+both passes in each round) for the whole naming and for its two per-frame
+passes alone (``user_addresses``, ``ProcessImage.name_frames_cached``), and
+the ratio compiled / Python.
+
+    .venv/bin/python benchmarks/bench_naming.py [--stacks 1000] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from tramprof.model import FrameSource, RawSample
+from tramprof.pipeline.naming import StackNamer
+from tramprof.procfs.identity import read_stat
+from tramprof.symbols import images
+from tramprof.symbols.images import ProcessImage, ProcessRegistry
+from tramprof.unwind import merge
+from tramprof.unwind.arenas import Arenas
+
+ARENA = 0x7E00_0000_0000  # stubs: 64-byte slots in one 256 KiB arena
+KERNEL = {0xFFFF_FFFF_8100_0000 + 0x10 * i: f"kernel_{i}" for i in range(8)}
+
+
+@contextmanager
+def sleeper() -> Iterator[int]:
+    proc = subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(3600)"])
+    try:
+        time.sleep(0.5)  # loaded and asleep
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def named_addresses(image: ProcessImage, count: int, rng: random.Random) -> list[int]:
+    """Addresses in the process's executable files whose code has a name."""
+    assert image.symbolizer is not None
+    spans = [(m.start, m.end) for m in image.symbolizer.mappings
+             if m.is_exec and not m.is_anonymous and not m.is_special]
+    out: list[int] = []
+    while len(out) < count:
+        start, end = rng.choice(spans)
+        addr = rng.randrange(start, end)
+        name, _source = image.lookup(addr)  # cached from now on
+        if "+0x" not in name and not name.startswith("["):
+            out.append(addr)
+    return out
+
+
+def make_samples(pool: list[int], stacks: int, native: int, rng: random.Random,
+                 pid: int) -> list[RawSample]:
+    samples = []
+    for index in range(stacks):
+        python = index % 5 < 3
+        depth = native if python else 60
+        ips, sps, tramps = [], [], []
+        sp = 0x7FFF_0000_0000
+        for frame in range(depth):
+            sp += 0x60
+            if python and frame % 3 == 1:
+                slot = ARENA + 64 * rng.randrange(4096)
+                ips.append(slot + 0x11)  # a return address inside the stub
+                tramps.append((slot, sp + 0x10))
+            else:
+                ips.append(rng.choice(pool) + (1 if frame else 0))
+            sps.append(sp)
+        samples.append(RawSample(
+            tgid=pid, start_boottime_ns=1, exec_id=1, comm="worker", user_ips=tuple(ips),
+            user_sps=tuple(sps), user_flags=0, kernel_ips=tuple(rng.sample(list(KERNEL), 3)),
+            trampoline_frames=tuple(tramps), kernel_error=0, count=1,
+            user_stack_id=(index + 1, rng.getrandbits(64))))
+    return samples
+
+
+class OneImage:
+    """The registry's ``image`` for the one process."""
+
+    def __init__(self, image: ProcessImage) -> None:
+        self.found = image
+
+    def image(self, tgid: int, start_boottime_ns: int, exec_id: int,
+              fallback_name: str) -> tuple[str, ProcessImage | None]:
+        return "worker", self.found
+
+
+@contextmanager
+def compiled(on: bool) -> Iterator[None]:
+    saved = merge._speedups, images._speedups
+    if not on:
+        merge._speedups = images._speedups = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        merge._speedups, images._speedups = saved
+
+
+def per_stack(run: Callable[[], object], stacks: int) -> float:
+    began = time.process_time()
+    run()
+    return (time.process_time() - began) / stacks
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stacks", type=int, default=1000, help="distinct stacks per drain")
+    parser.add_argument("--native", type=int, default=120,
+                        help="native frames of a Python stack")
+    parser.add_argument("--pool", type=int, default=2000, help="distinct native addresses")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    if merge._speedups is None or images._speedups is None:
+        print("tramprof._speedups is not built (make setup builds it: gcc, python3-dev)")
+        return 1
+    rng = random.Random(1)
+    with sleeper() as pid:
+        ticks = read_stat(pid).start_ticks
+        image = ProcessRegistry().warm(pid, ticks * (1_000_000_000 // os.sysconf("SC_CLK_TCK")),
+                                       1)
+        assert image is not None
+        pool = named_addresses(image, args.pool, rng)
+        samples = make_samples(pool, args.stacks, args.native, rng, pid)
+        stubs = Arenas([(ARENA, ARENA + 64 * 4096)])
+        image.naming_state()  # the JIT cache's key is current: filled, it stays
+        for slot in range(4096):
+            image.jit_found[ARENA + 64 * slot] = (f"py::f{slot}:app.py",
+                                                  FrameSource(ARENA + 64 * slot))
+        lookups = [merge.user_addresses(s, stubs) for s in samples]
+        for addresses in lookups:  # every address cached
+            image.name_frames_cached(addresses)
+        modes = {"compiled": True, "python": False}
+        best: dict[tuple[str, str], float] = {}
+
+        def keep(key: tuple[str, str], value: float) -> None:
+            best[key] = min(best.get(key, float("inf")), value)
+
+        for _ in range(args.rounds):
+            for label, on in modes.items():
+                with compiled(on):
+                    keep((label, "merge"), per_stack(
+                        lambda: [merge.user_addresses(s, stubs) for s in samples], args.stacks))
+                    keep((label, "caches"), per_stack(
+                        lambda: [image.name_frames_cached(a) for a in lookups], args.stacks))
+                    namer = StackNamer(OneImage(image), lambda _pid: stubs, KERNEL.get,
+                                       Counter())
+                    keep((label, "whole"), per_stack(
+                        lambda namer=namer: ([namer.name(s) for s in samples],
+                                             namer.end_drain()),
+                        args.stacks))
+        # The same names either way.
+        with compiled(True):
+            on = [image.name_frames_cached(merge.user_addresses(s, stubs)) for s in samples]
+        with compiled(False):
+            off = [image.name_frames_cached(merge.user_addresses(s, stubs)) for s in samples]
+        assert on == off, "the compiled passes named a stack otherwise"
+    frames = sum(len(a) for a in lookups) / len(lookups)
+    print(f"{args.stacks} distinct stacks per drain ({frames:.0f} lookup frames each on "
+          f"average, 3 in 5 Python under trampolines), every address cached; CPU per stack, "
+          f"least of {args.rounds} rounds:")
+    print(f"  {'':28} {'compiled':>9} {'python':>9} {'ratio':>6}")
+    for part, what in (("merge", "user_addresses"), ("caches", "name_frames_cached"),
+                       ("whole", "StackNamer.name (all)")):
+        on_s, off_s = best[("compiled", part)], best[("python", part)]
+        print(f"  {what:28} {on_s * 1e6:7.2f}us {off_s * 1e6:7.2f}us {on_s / off_s:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,145 @@
+"""The compiled passes of naming a stack (tramprof._speedups) against the
+Python code they stand for: the same lookup addresses and the same cached
+answers for random stacks, odd ones included (values a lying process could
+put there), and no reference kept past a call."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tramprof.model import NATIVE_GAP, FrameSource, RawSample
+from tramprof.sampler import layout
+from tramprof.symbols.images import ProcessImage
+from tramprof.unwind import merge
+from tramprof.unwind.arenas import Arenas
+
+try:
+    from tramprof import _speedups
+except ImportError:
+    _speedups = None  # type: ignore[assignment]
+
+needs_speedups = pytest.mark.skipif(
+    _speedups is None, reason="tramprof._speedups is not built (make setup builds it: gcc, "
+                              "python3-dev)")
+
+U64 = (1 << 64) - 1
+BASE = 0x7F00_0000_0000
+# Stub arenas at fixed places, so that drawn addresses fall in and out of them.
+ARENAS = Arenas([(BASE + 0x10000, BASE + 0x20000), (BASE + 0x40000, BASE + 0x41000)])
+
+address = st.one_of(
+    st.integers(BASE, BASE + 0x50000),  # in and around the arenas
+    st.sampled_from([0, 1, BASE + 0x10000, BASE + 0x10001, BASE + 0x20000, BASE + 0x20001,
+                     BASE + 0x41000, U64, U64 - 1]),
+    st.integers(0, U64),
+)
+stack_address = st.one_of(st.integers(0x7FFF_0000, 0x7FFF_0400), st.sampled_from([0, U64]))
+flag_bits = st.lists(st.sampled_from([layout.TABLE_STOP, layout.USTACK_FAULT,
+                                      layout.PYTHON_PAUSED, layout.USTACK_TRUNCATED, 0]),
+                     max_size=3).map(lambda bits: sum(set(bits)))
+
+
+@st.composite
+def samples(draw: st.DrawFn) -> RawSample:
+    """A sample whose native and trampoline frames are mostly in stack order
+    (as the walkers give them), sometimes not (a lying process)."""
+    ips = draw(st.lists(address, max_size=24))
+    sps = draw(st.lists(stack_address, min_size=len(ips), max_size=len(ips)))
+    pairs = draw(st.lists(st.tuples(address, stack_address), max_size=12))
+    if draw(st.booleans()):
+        sps.sort()
+        pairs.sort(key=lambda pair: pair[1])
+    return RawSample(tgid=1, start_boottime_ns=1, exec_id=1, comm="t", user_ips=tuple(ips),
+                     user_sps=tuple(sps), user_flags=draw(flag_bits), kernel_ips=(),
+                     trampoline_frames=tuple(pairs), kernel_error=0, count=1)
+
+
+def test_the_compiled_passes_are_built() -> None:
+    """``make setup`` builds them; without them every stack is named in
+    Python (the same names, ~10x the time a frame)."""
+    assert _speedups is not None, "tramprof._speedups is missing: make setup builds it " \
+                                  "(needs gcc and python3-dev)"
+
+
+@needs_speedups
+@settings(max_examples=1500, deadline=None)
+@given(sample=samples(), stubs=st.sampled_from([ARENAS, Arenas(), None]))
+def test_merged_addresses_are_python_s(sample: RawSample, stubs: Arenas | None) -> None:
+    assert merge.user_addresses(sample, stubs) == merge.merged_user_addresses(sample, stubs)
+
+
+@needs_speedups
+def test_merge_takes_the_ordinary_case_and_leaves_the_odd_one() -> None:
+    """A Python stack under trampolines is merged in C; frames out of stack
+    order, or a caller's return address of 0, are left to Python (None)."""
+    ips, sps = (BASE + 0x500, BASE + 0x10041, BASE + 0x601), (0x100, 0x110, 0x120)
+    tramps = ((BASE + 0x10040, 0x118),)
+    starts, ends = ARENAS.search_lists
+    assert _speedups.merge_trampolines(ips, sps, tramps, starts, ends, False, NATIVE_GAP) == \
+        [BASE + 0x500, BASE + 0x10040, BASE + 0x600]
+    # The walk stopped: the marker goes above the last native frame.
+    assert _speedups.merge_trampolines(ips, sps, ((BASE + 0x10040, 0x128),), starts, ends,
+                                       True, NATIVE_GAP) == \
+        [BASE + 0x500, BASE + 0x600, NATIVE_GAP, BASE + 0x10040]
+    assert _speedups.merge_trampolines(ips, (0x130, 0x110, 0x120), tramps, starts, ends,
+                                       False, NATIVE_GAP) is None
+    assert _speedups.merge_trampolines((1, 0), (1, 2), tramps, starts, ends, False,
+                                       NATIVE_GAP) is None
+    assert _speedups.merge_trampolines((1, -1), (1, 2), tramps, starts, ends, False,
+                                       NATIVE_GAP) is None
+    assert _speedups.merge_trampolines((1,), (1,), ((1, 2, 3),), starts, ends, False,
+                                       NATIVE_GAP) is None
+
+
+answer = st.tuples(st.sampled_from(["f", "g", "[anon]"]),
+                   st.builds(FrameSource, st.integers(0, 1 << 20)))
+
+
+@needs_speedups
+@settings(max_examples=500, deadline=None)
+@given(found=st.dictionaries(st.integers(0, 64), answer, max_size=40),
+       jit_found=st.dictionaries(st.integers(0, 64), answer, max_size=40),
+       addresses=st.lists(st.one_of(st.integers(0, 80), st.sampled_from([NATIVE_GAP, "[x]"])),
+                          max_size=40))
+def test_cached_answers_are_python_s(found: dict[int, tuple[str, FrameSource]],
+                                     jit_found: dict[int, tuple[str, FrameSource]],
+                                     addresses: list[int | str]) -> None:
+    image = ProcessImage(symbolizer=None, found=dict(found), jit_found=dict(jit_found))
+    assert _speedups.cached_answers(addresses, image.found, image.jit_found) == \
+        image._cached_answers(addresses)
+    # The whole naming: a list goes through C, a tuple through Python.
+    assert image.name_frames_cached(addresses) == image.name_frames_cached(tuple(addresses))
+
+
+@needs_speedups
+def test_no_reference_is_kept_past_a_call() -> None:
+    """Ten thousand calls of each leave no objects behind (a leaked frame
+    list would be ~50 MB here)."""
+    ips = tuple(BASE + 0x1000 + 16 * i for i in range(120))
+    sps = tuple(0x7FFF_0000 + 16 * i for i in range(120))
+    tramps = tuple((BASE + 0x10000 + 64 * i, 0x7FFF_0000 + 48 * i + 8) for i in range(40))
+    starts, ends = ARENAS.search_lists
+    found = {BASE + 0x1000 + 16 * i - 1: ("f", FrameSource(i)) for i in range(60)}
+    jit_found = {BASE + 0x10000 + 64 * i: ("py", FrameSource(i)) for i in range(20)}
+
+    def calls() -> None:
+        for _ in range(10_000):
+            merged = _speedups.merge_trampolines(ips, sps, tramps, starts, ends, True,
+                                                 NATIVE_GAP)
+            assert merged is not None
+            _speedups.cached_answers(merged, found, jit_found)
+            _speedups.merge_trampolines(ips, (*sps[:-1], 0), tramps, starts, ends, True,
+                                        NATIVE_GAP)
+
+    calls()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        calls()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 64 * 1024
