@@ -1,7 +1,8 @@
 #!/bin/sh
 # Installs what tramprof needs from the distribution, and nothing that is
-# already there: bcc's Python bindings, the BPF toolchain pieces, and kernel
-# headers for bcc's compiler.
+# already there: bcc's Python bindings, the BPF toolchain pieces, kernel
+# headers for bcc's compiler, and Python's headers for the daemon's compiled
+# part (tramprof._speedups).
 #
 # Headers: the exact linux-headers-$(uname -r) when the distribution has it;
 # otherwise the generic headers package, linked where bcc looks for them
@@ -13,7 +14,7 @@
 set -eu
 
 kernel=$(uname -r)
-packages="python3-bpfcc python3-venv python3-pip libbpf1 bpftool gcc make $*"
+packages="python3-bpfcc python3-venv python3-pip python3-dev libbpf1 bpftool gcc make $*"
 
 if ! command -v apt-get >/dev/null 2>&1; then
     echo "install-deps: apt-get not found; install by hand: $packages and kernel headers" >&2

@@ -256,11 +256,16 @@ def build_wheelhouse(dest: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="tramprof-src-") as tmp:
         src = Path(tmp) / "src"
         shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
-            ".git", ".venv", "build", "dist", "__pycache__", "*.pyc", "*.egg-info",
+            ".git", ".venv", "build", "dist", "__pycache__", "*.pyc", "*.so", "*.egg-info",
             ".pytest_cache", ".mypy_cache", ".ruff_cache"))
+        # The root's Python is 3.11: a compiled part built by another would
+        # not install there, so the wheel is then built without it.
+        env = dict(os.environ)
+        if sys.version_info[:2] != (3, 11):
+            env["TRAMPROF_PURE_PYTHON"] = "1"
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                         "--no-build-isolation", "--disable-pip-version-check",
-                        "-w", str(dest), str(src)], check=True, capture_output=True)
+                        "-w", str(dest), str(src)], check=True, capture_output=True, env=env)
     pins = []
     for name in _wheel_requirements(next(dest.glob("tramprof-*.whl"))):
         try:
