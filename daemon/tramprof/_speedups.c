@@ -171,6 +171,8 @@ done:
  * The cache passes of ``ProcessImage.name_frames_cached``: for each
  * address its answer in ``found``, else in ``jit_found`` (counted in
  * jit_hits), else None; first_miss is the index of the first None (-1: none).
+ * None when an address is neither an int nor a str (their lookups run no
+ * Python code that could change the list under this loop).
  */
 static PyObject *
 cached_answers(PyObject *self, PyObject *args)
@@ -180,6 +182,11 @@ cached_answers(PyObject *self, PyObject *args)
                           &PyDict_Type, &jit_found))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(addresses), first_miss = -1, jit_hits = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *addr = PyList_GET_ITEM(addresses, i);
+        if (!PyLong_CheckExact(addr) && !PyUnicode_CheckExact(addr))
+            Py_RETURN_NONE;
+    }
     PyObject *answers = PyList_New(n);
     if (answers == NULL)
         return NULL;

@@ -94,6 +94,17 @@ def test_merge_takes_the_ordinary_case_and_leaves_the_odd_one() -> None:
                                        NATIVE_GAP) is None
 
 
+@needs_speedups
+def test_cache_passes_take_ints_and_markers_only() -> None:
+    """Anything else is left to Python (its lookups could run Python code)."""
+    found = {1: ("f", None)}
+    assert _speedups.cached_answers([1, NATIVE_GAP, 7], found, {7: ("g", None)}) == \
+        ([("f", None), None, ("g", None)], 1, 1)
+    assert _speedups.cached_answers([1, 1.0], found, {}) is None
+    assert _speedups.split_pairs([("f", None), ("g", 1)]) == (["f", "g"], [None, 1])
+    assert _speedups.split_pairs([("f", None), ("g",)]) is None
+
+
 answer = st.tuples(st.sampled_from(["f", "g", "[anon]"]),
                    st.builds(FrameSource, st.integers(0, 1 << 20)))
 

@@ -154,10 +154,10 @@ class ProcessImage:
         these addresses while ``naming_state`` stays), else None (some frame
         was looked up: asked again, it may be answered otherwise)."""
         symbolizer = self._validate_caches()
+        passed = None
         if _speedups is not None and type(addresses) is list:
-            found, jit_hits, at = _speedups.cached_answers(addresses, self.found, self.jit_found)
-        else:
-            found, jit_hits, at = self._cached_answers(addresses)
+            passed = _speedups.cached_answers(addresses, self.found, self.jit_found)
+        found, jit_hits, at = self._cached_answers(addresses) if passed is None else passed
         looked_up = False
         if at >= 0:
             while True:
