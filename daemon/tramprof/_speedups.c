@@ -66,17 +66,40 @@ typedef struct {
     PyObject *addr; /* borrowed from the caller's tuples, or owned (pcs) */
 } frame_t;
 
+/* Longer stacks than a drain ever gives (the BPF records hold at most a
+ * few hundred frames) are left to Python: the sort below is quadratic. */
+#define MAX_SORTED 1024
+
+/* Stable sort by stack address: insertion sort, as the walkers give frames
+ * in stack order or nearly so. */
+static void
+sort_frames(frame_t *frames, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 1; i < count; i++) {
+        frame_t moved = frames[i];
+        Py_ssize_t at = i;
+        while (at > 0 && frames[at - 1].sp > moved.sp) {
+            frames[at] = frames[at - 1];
+            at--;
+        }
+        frames[at] = moved;
+    }
+}
+
 /*
  * merge_trampolines(ips, sps, trampoline_frames, starts, ends, incomplete, gap)
  *
- * ``merged_user_addresses`` for a sample with trampoline frames and stubs: the
- * native frames' lookup addresses (the leaf's ip, the callers' return
- * addresses minus one) without those in a stub arena, merged with the
- * trampoline frames ((stub address, stack address) pairs) by stack address,
- * native first on equal ones; when ``incomplete`` and a native frame is
- * left, ``gap`` is put before the first frame above the last native one.
- * None when the native frames or the trampoline frames are not each in
- * stack order, or a value is not a u64 (and a caller's pc would be below 0).
+ * ``merged_user_addresses`` for a sample that is not paused: the native
+ * frames' lookup addresses (the leaf's ip, the callers' return addresses
+ * minus one). With trampoline frames ((stub address, stack address) pairs),
+ * the native frames in a stub arena (starts, ends: ``Arenas.search_lists``)
+ * are dropped and the rest merged with the trampoline frames by stack
+ * address, native first on equal ones (Python's stable sort); when
+ * ``incomplete`` and a native frame is left, ``gap`` goes before the first
+ * frame above the last native one. Without trampoline frames the native
+ * ones come as they are (the caller passes no arenas). None when a value is
+ * not a u64, a caller's return address is 0, or there are more than
+ * MAX_SORTED frames of a kind.
  */
 static PyObject *
 merge_trampolines(PyObject *self, PyObject *args)
@@ -88,14 +111,14 @@ merge_trampolines(PyObject *self, PyObject *args)
                           &incomplete, &gap))
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(ips), m = PyTuple_GET_SIZE(tramps);
-    if (n != PyTuple_GET_SIZE(sps) || PyList_GET_SIZE(starts) != PyList_GET_SIZE(ends))
+    if (n != PyTuple_GET_SIZE(sps) || PyList_GET_SIZE(starts) != PyList_GET_SIZE(ends) ||
+        n > MAX_SORTED || m > MAX_SORTED)
         Py_RETURN_NONE;
     frame_t *frames = PyMem_Malloc(sizeof(frame_t) * (size_t)(n + m + 1));
     if (frames == NULL)
         return PyErr_NoMemory();
     PyObject *result = NULL;
     Py_ssize_t native = 0, owned = 0, i;
-    uint64_t last_sp = 0;
     /* The native frames kept, in frames[0:native]; their pcs are owned. */
     for (i = 0; i < n; i++) {
         uint64_t ip, sp;
@@ -111,18 +134,15 @@ merge_trampolines(PyObject *self, PyObject *args)
             goto fallback;
         if (stub)
             continue;
-        if (native > 0 && sp < last_sp)
-            goto fallback;
         PyObject *pc = i == 0 ? Py_NewRef(PyTuple_GET_ITEM(ips, 0))
                               : PyLong_FromUnsignedLong(ip);
         if (pc == NULL)
             goto error;
-        frames[native].sp = last_sp = sp;
+        frames[native].sp = sp;
         frames[native].addr = pc;
         native++;
         owned = native;
     }
-    uint64_t reached = native ? frames[native - 1].sp : 0;
     /* The trampoline frames, in frames[native:native + m]. */
     frame_t *tramp = frames + native;
     for (i = 0; i < m; i++) {
@@ -130,15 +150,19 @@ merge_trampolines(PyObject *self, PyObject *args)
         uint64_t ip, sp;
         if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
             as_u64(PyTuple_GET_ITEM(pair, 0), &ip) < 0 ||
-            as_u64(PyTuple_GET_ITEM(pair, 1), &sp) < 0 ||
-            (i > 0 && sp < tramp[i - 1].sp))
+            as_u64(PyTuple_GET_ITEM(pair, 1), &sp) < 0)
             goto fallback;
         tramp[i].sp = sp;
         tramp[i].addr = PyTuple_GET_ITEM(pair, 0);
     }
-    /* Natives are at or below the last one's: the marker goes in when a
-     * trampoline frame is above it. */
-    int mark_gap = incomplete && native > 0 && m > 0 && tramp[m - 1].sp > reached;
+    int mark_gap = 0;
+    uint64_t reached = native ? frames[native - 1].sp : 0; /* the last native frame's */
+    if (m > 0) {
+        sort_frames(frames, native);
+        sort_frames(tramp, m);
+        mark_gap = incomplete && native > 0 &&
+            (frames[native - 1].sp > reached || tramp[m - 1].sp > reached);
+    }
     result = PyList_New(native + m + (mark_gap ? 1 : 0));
     if (result == NULL)
         goto error;
