@@ -66,12 +66,12 @@ typedef struct {
     PyObject *addr; /* borrowed from the caller's tuples, or owned (pcs) */
 } frame_t;
 
-/* Longer stacks than a drain ever gives (the BPF records hold at most a
- * few hundred frames) are left to Python: the sort below is quadratic. */
+/* More trampoline frames than a drain ever gives (the BPF records hold at
+ * most a few hundred) are left to Python: the sort below is quadratic. */
 #define MAX_SORTED 1024
 
-/* Stable sort by stack address: insertion sort, as the walkers give frames
- * in stack order or nearly so. */
+/* Stable sort by stack address: insertion sort, as the chain walk and the
+ * stack scan give frames in stack order. */
 static void
 sort_frames(frame_t *frames, Py_ssize_t count)
 {
@@ -91,15 +91,15 @@ sort_frames(frame_t *frames, Py_ssize_t count)
  *
  * ``merged_user_addresses`` for a sample that is not paused: the native
  * frames' lookup addresses (the leaf's ip, the callers' return addresses
- * minus one). With trampoline frames ((stub address, stack address) pairs),
- * the native frames in a stub arena (starts, ends: ``Arenas.search_lists``)
- * are dropped and the rest merged with the trampoline frames by stack
- * address, native first on equal ones (Python's stable sort); when
+ * minus one), in the walker's order. With trampoline frames ((stub address,
+ * stack address) pairs), the native frames in a stub arena (starts, ends:
+ * ``Arenas.search_lists``) are dropped, the trampoline frames put in stack
+ * order (a stable sort) and each merged in before the first native frame
+ * above it (``heapq.merge``: native first on equal stack addresses); when
  * ``incomplete`` and a native frame is left, ``gap`` goes before the first
- * frame above the last native one. Without trampoline frames the native
- * ones come as they are (the caller passes no arenas). None when a value is
- * not a u64, a caller's return address is 0, or there are more than
- * MAX_SORTED frames of a kind.
+ * trampoline frame above the last native one. Without trampoline frames the
+ * caller passes no arenas. None when a value is not a u64, a caller's
+ * return address is 0, or there are more than MAX_SORTED trampoline frames.
  */
 static PyObject *
 merge_trampolines(PyObject *self, PyObject *args)
@@ -112,7 +112,7 @@ merge_trampolines(PyObject *self, PyObject *args)
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(ips), m = PyTuple_GET_SIZE(tramps);
     if (n != PyTuple_GET_SIZE(sps) || PyList_GET_SIZE(starts) != PyList_GET_SIZE(ends) ||
-        n > MAX_SORTED || m > MAX_SORTED)
+        m > MAX_SORTED)
         Py_RETURN_NONE;
     frame_t *frames = PyMem_Malloc(sizeof(frame_t) * (size_t)(n + m + 1));
     if (frames == NULL)
@@ -155,26 +155,27 @@ merge_trampolines(PyObject *self, PyObject *args)
         tramp[i].sp = sp;
         tramp[i].addr = PyTuple_GET_ITEM(pair, 0);
     }
-    int mark_gap = 0;
-    uint64_t reached = native ? frames[native - 1].sp : 0; /* the last native frame's */
-    if (m > 0) {
-        sort_frames(frames, native);
-        sort_frames(tramp, m);
-        mark_gap = incomplete && native > 0 &&
-            (frames[native - 1].sp > reached || tramp[m - 1].sp > reached);
-    }
-    result = PyList_New(native + m + (mark_gap ? 1 : 0));
+    sort_frames(tramp, m);
+    /* The marker goes before the first trampoline frame above the last
+     * native frame (none: no marker). */
+    uint64_t reached = native ? frames[native - 1].sp : 0;
+    Py_ssize_t gap_at = -1;
+    if (incomplete && native > 0)
+        for (i = 0; i < m && gap_at < 0; i++)
+            if (tramp[i].sp > reached)
+                gap_at = i;
+    result = PyList_New(native + m + (gap_at >= 0 ? 1 : 0));
     if (result == NULL)
         goto error;
     Py_ssize_t a = 0, b = 0, out = 0;
     while (a < native || b < m) {
-        frame_t *next = (b >= m || (a < native && frames[a].sp <= tramp[b].sp))
-                            ? &frames[a++] : &tramp[b++];
-        if (mark_gap && next->sp > reached) {
-            PyList_SET_ITEM(result, out++, Py_NewRef(gap));
-            mark_gap = 0;
+        if (b < m && (a >= native || tramp[b].sp < frames[a].sp)) {
+            if (b == gap_at)
+                PyList_SET_ITEM(result, out++, Py_NewRef(gap));
+            PyList_SET_ITEM(result, out++, Py_NewRef(tramp[b++].addr));
+        } else {
+            PyList_SET_ITEM(result, out++, Py_NewRef(frames[a++].addr));
         }
-        PyList_SET_ITEM(result, out++, Py_NewRef(next->addr));
     }
     goto done;
 fallback:

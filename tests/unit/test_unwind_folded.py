@@ -87,6 +87,19 @@ def test_complete_native_walk_needs_no_gap_marker():
     assert frames == ("py::inner:a.py", "interp_call", "leaf_c")
 
 
+def test_a_frameless_leaf_stays_the_leaf():
+    """The table walk orders a caller by its return address's slot - 8: under
+    a leaf function without a frame that is 8 bytes below the sampled sp.
+    The native frames keep the walker's order (sorted, the caller would be
+    named as the leaf); trampoline frames still go in by stack address."""
+    failures: Counter[str] = Counter()
+    s = sample(user_frames=((0x4000, 0x100), (0x6000, 0xF8)),
+               trampoline_frames=((0x9050, 0x200),), user_flags=bpf_layout.TABLE_STOP,
+               kernel_ips=())
+    frames = stack_frames(s, STUB_NAMES.__getitem__, KERNEL.get, failures, Stubs())
+    assert frames == ("py::inner:a.py", NATIVE_GAP, "interp_call", "leaf_c")
+
+
 def test_only_frames_inside_an_arena_are_dropped_as_stub_frames():
     """Two arenas with native code between them: a return address in the gap,
     or one byte past an arena, is a native frame; the first and last byte of

@@ -9,6 +9,8 @@ names the caller; trampoline frames are stub starts, looked up as they are.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from operator import itemgetter
 from typing import cast
 
@@ -68,21 +70,29 @@ def merged_user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int |
         # The table walk stopped at code it has no rule for: say so at the root.
         return [*lookups, NATIVE_GAP] if stopped else lookups
     low, high = stubs.bounds
+    # Native frames keep the walker's order, leaf first: it gives them by
+    # stack address, except that a frameless leaf's caller is ordered 8
+    # bytes below the sampled sp (the table walk orders a caller by its
+    # return address's slot - 8). Sorting them would swap the two.
     native = [(sp, addr) for sp, addr in zip(sample.user_sps, pcs, strict=True)
               if not low <= addr < high or addr not in stubs]
     reached = native[-1][0] if native else 0
     incomplete = stopped or bool(sample.user_flags & layout.USTACK_FAULT)
-    merged = native + [(sp, ip) for ip, sp in sample.trampoline_frames]
-    merged.sort(key=_STACK_ADDRESS)
-    if not (incomplete and native):
+    # Trampoline frames in stack order, each merged in before the first
+    # native frame above it (native first on equal stack addresses).
+    tramps = sorted(((sp, ip) for ip, sp in sample.trampoline_frames), key=_STACK_ADDRESS)
+    merged = heapq.merge(native, tramps, key=_STACK_ADDRESS)
+    above = bisect.bisect_right(tramps, reached, key=_STACK_ADDRESS)
+    if not (incomplete and native) or above == len(tramps):
         return list(map(_ADDRESS, merged))
+    # The native walk stopped: the marker goes before the first trampoline
+    # frame above its last frame.
+    gap_before = tramps[above]
     out: list[int | str] = []
-    gap_marked = False
-    for sp, addr in merged:
-        if not gap_marked and sp > reached:
+    for frame in merged:
+        if frame is gap_before:
             out.append(NATIVE_GAP)
-            gap_marked = True
-        out.append(addr)
+        out.append(frame[1])
     return out
 
 
