@@ -256,7 +256,7 @@ def build_wheelhouse(dest: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="tramprof-src-") as tmp:
         src = Path(tmp) / "src"
         shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
-            ".git", ".venv", "build", "dist", "__pycache__", "*.pyc", "*.so", "*.egg-info",
+            ".git", ".venv", "build", "dist", "__pycache__", "*.pyc", "_speedups*.so", "*.egg-info",
             ".pytest_cache", ".mypy_cache", ".ruff_cache"))
         # The root's Python is 3.11: a compiled part built by another would
         # not install there, so the wheel is then built without it.
