@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from tramprof import speedups
 from tramprof.commands import doctor
 
 
@@ -28,6 +29,16 @@ def test_kallsyms_zeroed_is_a_warning(tmp_path):
     real = tmp_path / "real"
     real.write_text("ffffffff81000000 T _stext\n")
     assert doctor.check_kallsyms(str(real)).ok
+
+
+def test_compiled_naming_missing_is_a_warning(monkeypatch):
+    """Built (as ``make setup`` builds it) it is reported as such; without
+    it profiling works, slower, and the fix says what to install."""
+    assert doctor.check_compiled_naming().ok
+    monkeypatch.setattr(speedups, "compiled", None)
+    check = doctor.check_compiled_naming()
+    assert not check.ok and check.warning and "python3-dev" in check.fix
+    assert speedups.naming_passes() == "python"
 
 
 def test_btf_failure_says_what_to_do(tmp_path):

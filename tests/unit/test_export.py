@@ -125,7 +125,7 @@ def test_build_info_and_process_metrics():
 
     registry = _daemon_registry()
     labels = {"version": tramprof.__version__, "python_version": platform.python_version(),
-              "bcc_version": importlib.metadata.version("bcc")}
+              "bcc_version": importlib.metadata.version("bcc"), "naming": "compiled"}
     assert registry.get_sample_value("tramprof_build_info", labels) == 1
     assert next(m for m in registry.collect() if m.name == "tramprof_build_info").samples \
         == [Sample("tramprof_build_info", labels, 1)]
@@ -157,9 +157,10 @@ def test_build_info_and_process_metrics():
 def test_build_info_labels_are_fixed_by_the_constructor():
     registry = CollectorRegistry()
     registry.register(BuildInfoCollector({"version": "9.9", "python_version": "3.99.0",
-                                          "bcc_version": ""}))
+                                          "bcc_version": "", "naming": "python"}))
     assert registry.get_sample_value("tramprof_build_info", {
-        "version": "9.9", "python_version": "3.99.0", "bcc_version": ""}) == 1
+        "version": "9.9", "python_version": "3.99.0", "bcc_version": "",
+        "naming": "python"}) == 1
 
 
 def test_readme_metric_table_matches_code():

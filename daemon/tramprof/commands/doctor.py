@@ -27,6 +27,7 @@ from tramprof.commands.privileges import (
     drop_after_start,
 )
 from tramprof.sampler.btf import VMLINUX_BTF, BtfError, KernelBtf
+from tramprof.speedups import naming_passes
 
 CAP_SYS_ADMIN = 21
 CAP_SYS_PTRACE = 19
@@ -167,9 +168,21 @@ def check_kallsyms(path: str = "/proc/kallsyms") -> Check:
                  warning=True)
 
 
+def check_compiled_naming() -> Check:
+    """The compiled part only saves CPU: without it every stack is named the
+    same, in Python."""
+    if naming_passes() == "compiled":
+        return Check("compiled naming", True, "tramprof._speedups names the frames of a stack")
+    return Check("compiled naming", False,
+                 "tramprof._speedups is not built: stacks are named in Python alone "
+                 "(the same names, ~2.5x the CPU a stack)",
+                 "install gcc and python3-dev, then reinstall tramprof (`make setup`)",
+                 warning=True)
+
+
 HOST_CHECKS: tuple[Callable[[], Check], ...] = (
     check_kernel, check_btf, check_headers, check_privileges, check_paranoid, check_bcc,
-    check_kallsyms,
+    check_kallsyms, check_compiled_naming,
 )
 
 

@@ -17,6 +17,7 @@ from tramprof.export import families as fam
 from tramprof.export.store import ProfileStore
 from tramprof.pipeline.stats import ProfilerStats
 from tramprof.sampler.layout import Counter as BpfCounter
+from tramprof.speedups import naming_passes
 
 _LOST = {
     "counts_map_full": BpfCounter.LOST_COUNTS_FULL,
@@ -220,11 +221,11 @@ def _installed_version(distribution: str) -> str:
 def build_labels() -> dict[str, str]:
     """The labels of ``tramprof_build_info`` for this process."""
     return {"version": tramprof.__version__, "python_version": platform.python_version(),
-            "bcc_version": _installed_version("bcc")}
+            "bcc_version": _installed_version("bcc"), "naming": naming_passes()}
 
 
 class BuildInfoCollector(Collector):
-    """``tramprof_build_info{version, python_version, bcc_version} 1``."""
+    """``tramprof_build_info{version, python_version, bcc_version, naming} 1``."""
 
     def __init__(self, labels: Mapping[str, str]) -> None:
         self._values = [labels[name] for name in fam.BUILD_INFO.labels]

@@ -26,6 +26,7 @@ from tramprof.procfs.identity import ProcessIdentity, ProcStat, boottime_ns_to_t
 from tramprof.procfs.maps import Mapping
 from tramprof.procfs.metadata import ProcessMetadata, read_metadata
 from tramprof.procfs.table import ProcessTable
+from tramprof.speedups import compiled as _speedups
 from tramprof.symbols.debuginfo import DebugInfo, DebugTable
 from tramprof.symbols.demangle import Demangler
 from tramprof.symbols.elf import ElfCache
@@ -38,11 +39,6 @@ from tramprof.symbols.usersyms import (
     SymbolizationStats,
     read_kernel_vdso,
 )
-
-try:
-    from tramprof import _speedups
-except ImportError:  # built without a C compiler: the same, in Python
-    _speedups = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 

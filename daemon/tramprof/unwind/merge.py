@@ -16,12 +16,8 @@ from typing import cast
 
 from tramprof.model import NATIVE_GAP, PYTHON_PAUSED, RawSample
 from tramprof.sampler import layout
+from tramprof.speedups import compiled as _speedups
 from tramprof.unwind.arenas import Arenas
-
-try:
-    from tramprof import _speedups
-except ImportError:  # built without a C compiler: the same, in Python
-    _speedups = None  # type: ignore[assignment]
 
 _INCOMPLETE = layout.TABLE_STOP | layout.USTACK_FAULT
 
