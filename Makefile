@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml setup.py daemon/tramprof/_speedups.c deploy/install-dep
 	@test -x $(BIN)/python || $(PYTHON_SYSTEM) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
 	@$(BIN)/python -c "import bcc" 2>/dev/null || echo "setup: WARNING: bcc is not importable (python3-bpfcc)"
-	@$(BIN)/python -c "import tramprof._speedups" 2>/dev/null || echo "setup: WARNING: \
-	  tramprof._speedups was not built (gcc, python3-dev): stacks are named in Python alone"
+	@$(BIN)/python -c "import tramprof._speedups" 2>/dev/null || echo "setup: WARNING: the \
+compiled part was not built (gcc, python3-dev): stacks are named in Python alone"
 	@touch $(STAMP)
 
 $(TEST_STAMP): deploy/install-deps.sh Makefile
