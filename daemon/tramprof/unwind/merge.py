@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import operator
+from collections.abc import Iterable
 from operator import itemgetter
 from typing import cast
 
@@ -77,7 +79,12 @@ def merged_user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int |
     # Trampoline frames in stack order, each merged in before the first
     # native frame above it (native first on equal stack addresses).
     tramps = sorted(((sp, ip) for ip, sp in sample.trampoline_frames), key=_STACK_ADDRESS)
-    merged = heapq.merge(native, tramps, key=_STACK_ADDRESS)
+    native_sps = [sp for sp, _addr in native]
+    if all(map(operator.le, native_sps, native_sps[1:])):
+        # Nearly always: a stable sort is then the same merge, at C speed.
+        merged: Iterable[tuple[int, int]] = sorted(native + tramps, key=_STACK_ADDRESS)
+    else:
+        merged = heapq.merge(native, tramps, key=_STACK_ADDRESS)
     above = bisect.bisect_right(tramps, reached, key=_STACK_ADDRESS)
     if not (incomplete and native) or above == len(tramps):
         return list(map(_ADDRESS, merged))
