@@ -24,36 +24,26 @@ the ratio compiled / Python.
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import has_function_name, new_image, sleepers
+from tramprof import speedups
 from tramprof.model import FrameSource, RawSample
 from tramprof.pipeline.naming import StackNamer
-from tramprof.procfs.identity import read_stat
-from tramprof.symbols import images
 from tramprof.symbols.images import ProcessImage, ProcessRegistry
 from tramprof.unwind import merge
 from tramprof.unwind.arenas import Arenas
 
 ARENA = 0x7E00_0000_0000  # stubs: 64-byte slots in one 256 KiB arena
 KERNEL = {0xFFFF_FFFF_8100_0000 + 0x10 * i: f"kernel_{i}" for i in range(8)}
-
-
-@contextmanager
-def sleeper() -> Iterator[int]:
-    proc = subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(3600)"])
-    try:
-        time.sleep(0.5)  # loaded and asleep
-        yield proc.pid
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def named_addresses(image: ProcessImage, count: int, rng: random.Random) -> list[int]:
@@ -66,7 +56,7 @@ def named_addresses(image: ProcessImage, count: int, rng: random.Random) -> list
         start, end = rng.choice(spans)
         addr = rng.randrange(start, end)
         name, _source = image.lookup(addr)  # cached from now on
-        if "+0x" not in name and not name.startswith("["):
+        if has_function_name(name):
             out.append(addr)
     return out
 
@@ -109,13 +99,13 @@ class OneImage:
 
 @contextmanager
 def compiled(on: bool) -> Iterator[None]:
-    saved = merge._speedups, images._speedups
+    saved = speedups.compiled
     if not on:
-        merge._speedups = images._speedups = None  # type: ignore[assignment]
+        speedups.compiled = None  # type: ignore[assignment]
     try:
         yield
     finally:
-        merge._speedups, images._speedups = saved
+        speedups.compiled = saved
 
 
 def per_stack(run: Callable[[], object], stacks: int) -> float:
@@ -132,17 +122,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pool", type=int, default=2000, help="distinct native addresses")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
-    if merge._speedups is None or images._speedups is None:
+    if speedups.compiled is None:
         print("tramprof._speedups is not built (make setup builds it: gcc, python3-dev)")
         return 1
     rng = random.Random(1)
-    with sleeper() as pid:
-        ticks = read_stat(pid).start_ticks
-        image = ProcessRegistry().warm(pid, ticks * (1_000_000_000 // os.sysconf("SC_CLK_TCK")),
-                                       1)
-        assert image is not None
+    with sleepers(1) as procs:
+        image = new_image(ProcessRegistry(), procs[0].pid)
         pool = named_addresses(image, args.pool, rng)
-        samples = make_samples(pool, args.stacks, args.native, rng, pid)
+        samples = make_samples(pool, args.stacks, args.native, rng, procs[0].pid)
         stubs = Arenas([(ARENA, ARENA + 64 * 4096)])
         image.naming_state()  # the JIT cache's key is current: filled, it stays
         for slot in range(4096):

@@ -27,37 +27,17 @@ shared passes.
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from pathlib import Path
 
-from tramprof.procfs.identity import read_stat
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import has_function_name, new_image, sleepers
 from tramprof.symbols import usersyms
 from tramprof.symbols.images import ProcessImage, ProcessRegistry
-
-
-@contextmanager
-def sleepers(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs = [subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(3600)"])
-             for _ in range(count)]
-    try:
-        time.sleep(0.5)  # loaded and asleep
-        yield procs
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-
-
-def new_image(registry: ProcessRegistry, pid: int) -> ProcessImage:
-    ticks = read_stat(pid).start_ticks
-    image = registry.warm(pid, ticks * (1_000_000_000 // os.sysconf("SC_CLK_TCK")), 1)
-    assert image is not None and image.symbolizer is not None
-    return image
 
 
 def addresses_of(image: ProcessImage, offsets: dict[str, list[int]]) -> list[int]:
@@ -104,7 +84,7 @@ def main(argv: list[str]) -> int:
             for offset in file_offsets:
                 addr, = addresses_of(first, {path: [offset]})
                 name, _source = first.lookup(addr)
-                if "+0x" not in name and not name.startswith("["):
+                if has_function_name(name):
                     named_offsets.setdefault(path, []).append(offset)
         offsets = named_offsets
         real_shared_lookup = usersyms.ProcessSymbolizer.shared_lookup

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: build the workload, run the daemon."""
+"""Helpers shared by the benchmarks: build the workload, run the daemon,
+name the frames of sleeping processes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from tramprof.procfs.identity import read_stat
+from tramprof.symbols.images import ProcessImage, ProcessRegistry
 
 HERE = Path(__file__).resolve().parent
 TRAMPROF = str(Path(sys.executable).parent / "tramprof")
@@ -93,3 +99,32 @@ def median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+@contextmanager
+def sleepers(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``count`` processes of ``/usr/bin/python3``, loaded and asleep; killed
+    at the end."""
+    procs = [subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(3600)"])
+             for _ in range(count)]
+    try:
+        time.sleep(0.5)  # loaded and asleep
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def new_image(registry: ProcessRegistry, pid: int) -> ProcessImage:
+    """The process image of ``pid`` as the daemon builds it when first sampled."""
+    ticks = read_stat(pid).start_ticks
+    image = registry.warm(pid, ticks * (1_000_000_000 // os.sysconf("SC_CLK_TCK")), 1)
+    assert image is not None and image.symbolizer is not None
+    return image
+
+
+def has_function_name(name: str) -> bool:
+    """A frame's name is a function's, not a fallback (file+offset, a marker):
+    only those are shared between processes."""
+    return "+0x" not in name and not name.startswith("[")

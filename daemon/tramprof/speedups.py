@@ -4,7 +4,9 @@
 without a C compiler or Python's headers (or with ``TRAMPROF_PURE_PYTHON=1``)
 and the per-frame passes of naming a stack run in Python alone, with the
 same results. The one place that decides it, for the modules that use the
-passes and for what reports them (``tramprof_build_info``, ``doctor``).
+passes (read at each call: setting it to None turns them off, as the
+benchmark that compares the two does) and for what reports them
+(``tramprof_build_info``, ``doctor``).
 """
 
 from __future__ import annotations

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TypeVar, cast
 
+from tramprof import speedups
 from tramprof.model import FrameSource, MappedFile, ProcessGone, SymbolizationError
 from tramprof.procfs.events import ProcessEvent
 from tramprof.procfs.identity import ProcessIdentity, ProcStat, boottime_ns_to_ticks
 from tramprof.procfs.maps import Mapping
 from tramprof.procfs.metadata import ProcessMetadata, read_metadata
 from tramprof.procfs.table import ProcessTable
-from tramprof.speedups import compiled as _speedups
 from tramprof.symbols.debuginfo import DebugInfo, DebugTable
 from tramprof.symbols.demangle import Demangler
 from tramprof.symbols.elf import ElfCache
@@ -150,9 +150,10 @@ class ProcessImage:
         these addresses while ``naming_state`` stays), else None (some frame
         was looked up: asked again, it may be answered otherwise)."""
         symbolizer = self._validate_caches()
+        compiled = speedups.compiled
         passed = None
-        if _speedups is not None and type(addresses) is list:
-            passed = _speedups.cached_answers(addresses, self.found, self.jit_found)
+        if compiled is not None and type(addresses) is list:
+            passed = compiled.cached_answers(addresses, self.found, self.jit_found)
         found, jit_hits, at = self._cached_answers(addresses) if passed is None else passed
         looked_up = False
         if at >= 0:
@@ -175,7 +176,7 @@ class ProcessImage:
         self.count_jit_hits(jit_hits)
         cached = None if looked_up else jit_hits
         answers = cast("list[_Named]", found)
-        split = None if _speedups is None else _speedups.split_pairs(answers)
+        split = None if compiled is None else compiled.split_pairs(answers)
         if split is not None:
             return split[0], split[1], cached
         if not answers:
@@ -186,7 +187,7 @@ class ProcessImage:
     def _cached_answers(self, addresses: Sequence[int | str]
                         ) -> tuple[list[_Named | None], int, int]:
         """Each address's answer in the caches (None: a miss), how many the
-        JIT caches gave, and the first miss (-1: none). ``_speedups`` does
+        JIT caches gave, and the first miss (-1: none). ``_speedups.c`` does
         the same in C."""
         # Markers are looked up too, and miss.
         found = list(map(cast("dict[int | str, _Named]", self.found).get, addresses))

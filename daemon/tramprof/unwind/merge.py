@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import operator
 from collections.abc import Iterable
-from operator import itemgetter
+from operator import itemgetter, le
 from typing import cast
 
+from tramprof import speedups
 from tramprof.model import NATIVE_GAP, PYTHON_PAUSED, RawSample
 from tramprof.sampler import layout
-from tramprof.speedups import compiled as _speedups
 from tramprof.unwind.arenas import Arenas
 
 _INCOMPLETE = layout.TABLE_STOP | layout.USTACK_FAULT
@@ -28,16 +27,17 @@ def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
     """``merged_user_addresses``, by the compiled pass where it takes the
     sample (nearly always: see ``_speedups.c``)."""
     flags = sample.user_flags
-    if _speedups is None or flags & layout.PYTHON_PAUSED:
+    compiled = speedups.compiled
+    if compiled is None or flags & layout.PYTHON_PAUSED:
         return merged_user_addresses(sample, stubs)
     if sample.trampoline_frames and stubs is not None:
         starts, ends = stubs.search_lists
-        merged = _speedups.merge_trampolines(sample.user_ips, sample.user_sps,
-                                             sample.trampoline_frames, starts, ends,
-                                             bool(flags & _INCOMPLETE), NATIVE_GAP)
+        merged = compiled.merge_trampolines(sample.user_ips, sample.user_sps,
+                                            sample.trampoline_frames, starts, ends,
+                                            bool(flags & _INCOMPLETE), NATIVE_GAP)
     else:
-        merged = _speedups.merge_trampolines(sample.user_ips, sample.user_sps, (), [], [],
-                                             False, NATIVE_GAP)
+        merged = compiled.merge_trampolines(sample.user_ips, sample.user_sps, (), [], [],
+                                            False, NATIVE_GAP)
         if merged is not None and flags & layout.TABLE_STOP:
             merged.append(NATIVE_GAP)
     return merged_user_addresses(sample, stubs) if merged is None else merged
@@ -80,7 +80,7 @@ def merged_user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int |
     # native frame above it (native first on equal stack addresses).
     tramps = sorted(((sp, ip) for ip, sp in sample.trampoline_frames), key=_STACK_ADDRESS)
     native_sps = [sp for sp, _addr in native]
-    if all(map(operator.le, native_sps, native_sps[1:])):
+    if all(map(le, native_sps, native_sps[1:])):
         # Nearly always: a stable sort is then the same merge, at C speed.
         merged: Iterable[tuple[int, int]] = sorted(native + tramps, key=_STACK_ADDRESS)
     else:
