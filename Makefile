@@ -72,7 +72,7 @@ runtimes: setup
 	TRAMPROF_TEST_ROOTS=$(ROOTS) $(BIN)/python tests/trampolines/roots.py create bullseye
 	$(PYTHON_SYSTEM) trampolines/build_runtimes.py --root $(ROOTS)/bullseye
 
-bench: setup
+bench: setup $(TEST_STAMP)
 	@command -v profile-bpfcc >/dev/null || apt-get install -y -q bpfcc-tools >/dev/null \
 		|| echo "bench: bpfcc-tools unavailable: bench_fp_cost.py measures tramprof alone"
 	$(BIN)/python benchmarks/run_all.py
