@@ -236,6 +236,56 @@ def test_image_caches_jit_names_only_until_the_files_are_read_again(tmp_path):
     assert image.resolve(0x7008) == jit.perf_map.lookup(0x7008) == "recreated"
 
 
+def test_image_keeps_jit_names_while_nothing_they_depend_on_changed(tmp_path):
+    """A miss re-reads the JIT files once a second; a read that finds nothing
+    new, and maps that changed only in data (a heap, a Python's memory
+    arenas), keep the names found (a node process misses in every drain).
+    New entries or a change of the executable mappings drop them."""
+    image, jit, path, clock = jit_image(tmp_path, 33, "7000 10 first\n")
+    assert image.symbolizer is not None
+    symbolizer = image.symbolizer
+    maps = tmp_path / "33" / "maps"
+    looked_up = []
+    lookup = jit.perf_map.lookup
+    jit.perf_map.lookup = lambda addr: looked_up.append(addr) or lookup(addr)  # type: ignore[method-assign]
+
+    def looked_up_again() -> bool:
+        del looked_up[:]
+        assert image.resolve(0x7008) == "first"
+        return 0x7008 in looked_up
+
+    assert image.resolve(0x7008) == "first" and looked_up_again()  # cached from here
+    assert not looked_up_again()
+    epoch = jit.epoch
+    clock.now += 1.5
+    assert image.resolve(0x8008) == "[anon]"  # the miss read the file again: nothing new
+    assert jit.epoch == epoch and jit.last_results is not None
+    assert not looked_up_again()
+
+    maps.write_text("7000-9000 r-xp 00000000 00:00 0\n"
+                    "a000-c000 rw-p 00000000 00:00 0\n")
+    symbolizer.reload_maps()
+    assert not looked_up_again()  # data mappings came: the code is where it was
+    maps.write_text("7000-9000 r-xp 00000000 00:00 0\n"
+                    "a000-c000 rw-p 00000000 00:00 0\n"
+                    "d000-e000 r-xp 00000000 00:00 0\n")
+    symbolizer.reload_maps()
+    assert looked_up_again()  # new code: looked up once more, then cached
+    assert not looked_up_again()
+    maps.write_text("7000-9000 rw-p 00000000 00:00 0\n"
+                    "a000-c000 rw-p 00000000 00:00 0\n"
+                    "d000-e000 r-xp 00000000 00:00 0\n")
+    symbolizer.reload_maps()
+    assert looked_up_again()  # the code's pages made writable (V8 patching it)
+
+    with path.open("a") as f:
+        f.write("9000 10 created_later\n")
+    clock.now += 1.5
+    assert image.resolve(0xd008) == "[anon]"  # read again: a new entry, elsewhere
+    assert jit.epoch == epoch + 1
+    assert looked_up_again()
+
+
 def test_jit_code_the_maps_show_writable_is_named_from_the_perf_map(tmp_path):
     """A JIT writes code into writable pages and makes them executable later
     (V8 also flips them back to patch or move code), so maps read before show

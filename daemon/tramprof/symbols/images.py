@@ -78,10 +78,13 @@ class ProcessImage:
     mapping goes away (an address may then hold other code:
     ``files_generation``); addresses in mappings without code are not
     cached. JIT code is re-created at reused addresses, so what is found in
-    anonymous memory is cached only until the process's JIT files are read
-    again or its maps change (``_jit_key``): until then the same lookup gives
-    the same answer, and a Python process under the runtime asks for the same
-    few hundred stub addresses in every stack of a drain.
+    anonymous memory is cached only until the process's JIT files gain or
+    lose entries or its executable mappings change (``_jit_key``): until then
+    the same lookup gives the same answer (new code at an address comes with
+    a new entry, or with a new mapping), and a Python process under the
+    runtime asks for the same few hundred stub addresses in every stack of a
+    drain. A re-read that finds nothing new, and data mappings that come and
+    go (heaps, a Python's memory arenas), keep the cache.
     """
 
     symbolizer: ProcessSymbolizer | None
@@ -95,7 +98,7 @@ class ProcessImage:
     # Where unnamed JIT code is: kept for the same sharing, not an answer
     # (an unnamed address is looked up again: its name may come).
     jit_places: dict[int, FrameSource] = field(default_factory=dict)
-    _jit_key: tuple[int, int] = (-1, -1)  # (JIT epoch, maps generation) of the jit_ caches
+    _jit_key: tuple[int, int] = (-1, -1)  # (JIT epoch, code generation) of the jit_ caches
     _files_key: int = 0  # the symbolizer's files_generation of ``found``
     mapped_files: dict[Mapping, MappedFile] = field(default_factory=dict)
     #: When a drain last named stacks with this image (monotonic seconds).
@@ -130,7 +133,7 @@ class ProcessImage:
         return symbolizer
 
     def _current_jit_key(self, symbolizer: ProcessSymbolizer) -> tuple[int, int]:
-        return (self.jit.epoch if self.jit is not None else -1, symbolizer.maps_generation)
+        return (self.jit.epoch if self.jit is not None else -1, symbolizer.code_generation)
 
     def name_frames(self, addresses: Sequence[int | str]
                     ) -> tuple[list[str], list[FrameSource | None]]:
@@ -205,7 +208,7 @@ class ProcessImage:
     def naming_state(self) -> tuple[int, int, int]:
         """What the cached answers depend on: while it stays the same, the
         caches give the same names and places for the same addresses (the
-        file generation and the JIT files' epoch with the maps generation)."""
+        file generation and the JIT files' epoch with the code generation)."""
         self._validate_caches()
         return (self._files_key, *self._jit_key)
 

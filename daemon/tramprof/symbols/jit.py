@@ -88,8 +88,9 @@ class JitSymbols:
         #: The status could not be read when the files were first needed.
         self.unavailable = False
         self._last_refresh: float | None = None
-        #: Moves whenever the indexes may have changed (a refresh, an
-        #: eviction): a name found at one epoch holds until the next.
+        #: Moves whenever the indexes may have changed (a refresh that read
+        #: new entries or a replaced file, an eviction): a name found at one
+        #: epoch holds until the next.
         self.epoch = 0
         self.last_results: tuple[RefreshResult, RefreshResult] | None = None
         self.lookups = 0
@@ -172,8 +173,17 @@ class JitSymbols:
         """Read what the files gained; raises as ``_files`` the first time."""
         perf_map, jitdump = self._files()
         self._last_refresh = self._clock()
-        self.epoch += 1
-        self.last_results = (perf_map.refresh(), jitdump.refresh())
+        results = None
+        try:
+            results = (perf_map.refresh(), jitdump.refresh())
+        finally:
+            # A read that found nothing new leaves the names as they were (a
+            # refusal keeps what was read before); one that failed midway
+            # may have added some.
+            if results is None or any(result.new_entries or result.reloaded
+                                      for result in results):
+                self.epoch += 1
+        self.last_results = results
 
     def read_now(self) -> None:
         """Read the files now if they never were: a process under a

@@ -128,6 +128,10 @@ class SymbolizationStats:
 _ObjectState = ElfSymbols | FailureReason
 
 
+def _executable(mappings: list[Mapping]) -> list[Mapping]:
+    return [m for m in mappings if m.is_exec]
+
+
 class ProcessSymbolizer:
     """Resolves user-space addresses of one process.
 
@@ -166,6 +170,11 @@ class ProcessSymbolizer:
         self._maps_loaded_at: float | None = None
         #: Bumped whenever the maps were re-read: new libraries, new JIT arenas.
         self.maps_generation = 0
+        #: Bumped when the maps are first read and whenever a re-read finds
+        #: the executable mappings changed (made, removed, moved, their
+        #: permissions changed): which code an address is in. A re-read that
+        #: finds only data mappings changed (heaps, arenas growing) leaves it.
+        self.code_generation = 0
         #: Bumped when a re-read finds an executable file mapping gone
         #: (dlclose, munmap): its addresses may now hold other code, so names
         #: found by address there before are void. Other changes (the heap
@@ -217,6 +226,8 @@ class ProcessSymbolizer:
             return
         self._maps_error = None
         self.maps_generation += 1
+        if _executable(mappings) != _executable(self._mappings) or not self._mappings:
+            self.code_generation += 1
         if self._mappings:  # a re-read: drop what vanished (the first has nothing to drop)
             live = set(mappings)
             if any(m.is_exec and not m.is_anonymous and m not in live for m in self._mappings):
