@@ -226,7 +226,7 @@ class ProcessSymbolizer:
             return
         self._maps_error = None
         self.maps_generation += 1
-        if _executable(mappings) != _executable(self._mappings) or not self._mappings:
+        if not self._mappings or _executable(mappings) != _executable(self._mappings):
             self.code_generation += 1
         if self._mappings:  # a re-read: drop what vanished (the first has nothing to drop)
             live = set(mappings)
