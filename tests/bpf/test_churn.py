@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from itertools import pairwise
 
 from tramprof.config import Config
 from tramprof.pipeline.profiler import Profiler
@@ -43,5 +44,44 @@ def test_state_of_500_exited_processes_is_dropped(targets):
         stale = [i for i in held if not alive(i.pid, i.start_ticks)]
         assert stale == []
         assert profiler.stats.process_events["exit"] >= 500
+    finally:
+        profiler.close()
+
+
+def test_lifecycle_events_are_read_in_batches_between_drains_and_at_each_drain(targets):
+    """Between drains the loop reads lifecycle events at most every
+    EVENTS_AT_MOST_EVERY seconds, however often it wakes (a busy node wakes
+    it for every newly sampled process); a drain reads them all, so none is
+    applied later than before."""
+    from tramprof.pipeline.profiler import EVENTS_AT_MOST_EVERY
+
+    profiler = Profiler(Config(frequency=99, interval=10.0))
+    profiler.start()
+    try:
+        reads = []
+        read_events = profiler.events.read_events
+
+        def counted() -> list:
+            reads.append(time.monotonic())
+            return read_events()
+
+        profiler.events.read_events = counted  # type: ignore[method-assign]
+        began = time.monotonic()
+        wakes = 0
+        while time.monotonic() - began < 1.0:
+            profiler.wait(0.0)  # as if woken at once, again and again
+            wakes += 1
+        spent = time.monotonic() - began
+        assert wakes > 50
+        assert 2 <= len(reads) <= spent / EVENTS_AT_MOST_EVERY + 1
+        gaps = [b - a for a, b in pairwise(reads)]
+        assert min(gaps) >= EVENTS_AT_MOST_EVERY - 0.01  # both clocks read a moment apart
+
+        exits = profiler.stats.process_events["exit"]
+        subprocess.run([str(targets / "chain"), "0.01"], check=True, stdout=subprocess.DEVNULL)
+        before = len(reads)
+        profiler.collect()  # read at once, however recent the last read
+        assert len(reads) == before + 1
+        assert profiler.stats.process_events["exit"] >= exits + 1
     finally:
         profiler.close()

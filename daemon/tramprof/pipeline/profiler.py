@@ -67,6 +67,11 @@ RESYNC_SECONDS = 30.0
 # thousands meanwhile (procfs.events: a receive buffer of up to 8 MiB), and
 # an overflow is counted and answered by a /proc rescan.
 EVENTS_EVERY = 1.0
+# ... and at most this often between drains (every drain reads them too): a
+# busy node wakes the loop ten times a second for newly sampled processes,
+# and each read that finds a few events costs a system call per event
+# (measured there: ~75 us a read).
+EVENTS_AT_MOST_EVERY = 0.25
 
 
 def sampler_config(config: Config) -> SamplerConfig:
@@ -210,6 +215,10 @@ class Profiler:
                                 self.stats.symbolization_failures)
         self._next_mode_refresh = float("-inf")  # monotonic seconds
         self._next_resync = time.monotonic() + RESYNC_SECONDS
+        self._next_events_read = float("-inf")  # monotonic seconds
+        # The descriptors the loop waits on, registered once (poll()'s set
+        # changes only when they do).
+        self._waited: tuple[tuple[int, ...], select.poll] | None = None
 
     def start(self) -> None:
         # Compile first, while this process is still small: the compiler
@@ -236,11 +245,7 @@ class Profiler:
         # CPU only: the time asleep in poll() counts for nothing.
         cpu_began = time.thread_time()
         try:
-            # poll, not select: descriptors past 1023 (a busy host's held
-            # files push them there) are fine.
-            ready = select.poll()
-            for fd in (*self.event_fds(), *wake_fds):
-                ready.register(fd, select.POLLIN)
+            ready = self._poller((*self.event_fds(), *wake_fds))
             timeout = min(timeout, EVENTS_EVERY)
             if self.unwinders.following():
                 timeout = min(timeout, FOLLOW_EVERY)
@@ -255,11 +260,26 @@ class Profiler:
         finally:
             self.stats.add_cpu("process_events", time.thread_time() - cpu_began)
 
+    def _poller(self, fds: tuple[int, ...]) -> select.poll:
+        """A poll object registered for ``fds`` (poll, not select:
+        descriptors past 1023, where a busy host's held files push them,
+        are fine)."""
+        if self._waited is None or self._waited[0] != fds:
+            ready = select.poll()
+            for fd in fds:
+                ready.register(fd, select.POLLIN)
+            self._waited = (fds, ready)
+        return self._waited[1]
+
     def poll_process_events(self) -> None:
         """Warm newly sampled processes, queue lifecycle events (applied after
         the next drain), refresh the unwinding modes when due and follow
         their newcomers in between."""
-        resynced = self._handle_process_events()
+        now = time.monotonic()
+        read_events = now >= self._next_events_read
+        if read_events:
+            self._next_events_read = now + EVENTS_AT_MOST_EVERY
+        resynced = self._handle_process_events(read_events)
         if resynced or time.monotonic() >= self._next_mode_refresh:
             self._refresh_modes(full=resynced)
         elif self.unwinders.following():
@@ -269,9 +289,10 @@ class Profiler:
                 self.errors.by_stage["unwind_refresh"] += 1
                 log.exception("following the unwinding modes' newcomers failed")
 
-    def _handle_process_events(self) -> bool:
-        """Warm newly sampled processes, queue lifecycle events; True if the
-        processes were checked against /proc (some may be gone: refresh now)."""
+    def _handle_process_events(self, read_events: bool = True) -> bool:
+        """Warm newly sampled processes, queue lifecycle events (if
+        ``read_events``); True if the processes were checked against /proc
+        (some may be gone: refresh now)."""
         for tgid, start, exec_id in self.sampler.new_processes():
             if self.errors.backing_off(tgid):
                 continue
@@ -283,6 +304,8 @@ class Profiler:
             self.injector.offer(tgid, start, exec_id)
         self._look_again(self.injector.take_injected())
         self._look_at_young_interpreters()
+        if not read_events:
+            return False
         events = self.events.read_events()
         for event in events:
             self.stats.process_events[event.kind] += 1

@@ -259,8 +259,9 @@ class ProcessImage:
                     FrameSource(addr, None, debug[0], debug[1])
             if self._current_jit_key(symbolizer) == self._jit_key:
                 # Found with the JIT files as they were when this lookup began
-                # (a lookup that re-read them, or the maps, is cached from the
-                # next); a miss is not cached: it is counted, and looked up again.
+                # (a lookup whose re-read changed them, or the executable
+                # mappings, is cached from the next); a miss is not cached: it
+                # is counted, and looked up again.
                 # Memory the maps show writable is cached only where the JIT
                 # files named it (see ``ProcessSymbolizer.lookup``).
                 if jit is not None and name not in (ANON, UNKNOWN):
