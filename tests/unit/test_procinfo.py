@@ -21,6 +21,7 @@ from tramprof.procfs.identity import (
     read_comm,
     read_exe,
     read_identity,
+    read_proc_file,
     read_start_ticks,
     read_stat,
     read_status_ids,
@@ -322,3 +323,16 @@ def test_identity_is_hashable_and_frozen() -> None:
     assert len({a, ProcessIdentity(1, 100), ProcessIdentity(1, 200)}) == 2
     with pytest.raises(AttributeError):
         a.pid = 2  # type: ignore[misc]
+
+
+def test_a_proc_file_is_read_whole_or_up_to_its_limit(tmp_path: Path) -> None:
+    """Across the chunk size (64 KiB), exactly: a bounded read stops at the
+    limit, an unbounded one reads to the end; a missing process is gone."""
+    data = bytes(range(256)) * 800  # 204,800 bytes: four chunks
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "maps").write_bytes(data)
+    assert read_proc_file(7, "maps", str(tmp_path)) == data
+    for limit in (0, 1, 65_536, 65_537, 70_000, len(data), len(data) + 1):
+        assert read_proc_file(7, "maps", str(tmp_path), limit=limit) == data[:limit]
+    with pytest.raises(ProcessGone, match="cannot read maps"):
+        read_proc_file(8, "maps", str(tmp_path))

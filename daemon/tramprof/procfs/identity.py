@@ -31,6 +31,7 @@ __all__ = [
     "read_comm",
     "read_exe",
     "read_identity",
+    "read_proc_file",
     "read_start_ticks",
     "read_stat",
     "read_status_ids",
@@ -126,15 +127,24 @@ def boottime_ns_to_ticks(ns: int, clk_tck: int | None = None) -> int:
     return ns * 9 // ((9 * _NSEC_PER_SEC + hz // 2) // hz)
 
 
-def _read_bytes(pid: int, name: str, proc_root: str) -> bytes:
-    # Plain descriptor reads, no file object: the daemon reads thousands of
-    # these small files a minute on a busy node (a third faster).
+def read_proc_file(pid: int, name: str, proc_root: str = "/proc",
+                   limit: int | None = None) -> bytes:
+    """The bytes of ``{proc_root}/{pid}/{name}``, at most ``limit`` of them
+    (all when None). Raises ProcessGone when the process is gone.
+
+    Plain descriptor reads of ``_READ_CHUNK``, no file object: the daemon reads
+    thousands of these files a minute on a busy node (a third faster than
+    ``open``), and a buffered ``read(limit)`` of a large limit allocates the
+    whole limit first (a 16 MiB bound made a 4 KiB maps read twice as slow).
+    """
     try:
         fd = os.open(f"{proc_root}/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
         try:
             chunks = []
-            while chunk := os.read(fd, _READ_CHUNK):
+            left = _UNLIMITED if limit is None else limit
+            while left > 0 and (chunk := os.read(fd, min(_READ_CHUNK, left))):
                 chunks.append(chunk)
+                left -= len(chunk)
         finally:
             os.close(fd)
     except (FileNotFoundError, ProcessLookupError) as e:
@@ -143,6 +153,7 @@ def _read_bytes(pid: int, name: str, proc_root: str) -> bytes:
 
 
 _READ_CHUNK = 1 << 16
+_UNLIMITED = 1 << 62
 
 
 def parse_stat(pid: int, data: bytes) -> ProcStat:
@@ -181,7 +192,7 @@ def parse_stat(pid: int, data: bytes) -> ProcStat:
 
 def read_stat(pid: int, proc_root: str = "/proc") -> ProcStat:
     """Read and parse ``/proc/PID/stat`` (one read: a consistent snapshot)."""
-    data = _read_bytes(pid, "stat", proc_root)
+    data = read_proc_file(pid, "stat", proc_root)
     if not data:
         # The task was reaped between open() and read().
         raise ProcessGone(pid, "stat is empty")
@@ -205,7 +216,7 @@ def read_comm(pid: int, proc_root: str = "/proc") -> str:
     itself end in whitespace. Undecodable bytes become U+FFFD, because the
     name ends up in metric labels, which must be valid UTF-8.
     """
-    data = _read_bytes(pid, "comm", proc_root)
+    data = read_proc_file(pid, "comm", proc_root)
     if data.endswith(b"\n"):
         data = data[:-1]
     return data.decode("utf-8", "replace")
@@ -238,7 +249,7 @@ def read_cmdline(pid: int, proc_root: str = "/proc") -> list[str]:
     A process that rewrote its arguments (setproctitle) may yield one
     space-separated string; that is what it asked to show.
     """
-    data = _read_bytes(pid, "cmdline", proc_root)
+    data = read_proc_file(pid, "cmdline", proc_root)
     if not data:
         return []
     if data.endswith(b"\0"):
@@ -254,7 +265,7 @@ def read_cgroup(pid: int, proc_root: str = "/proc") -> str:
     the v1 path when every hierarchy agrees, else ``controllers:path`` pairs
     joined with ``;`` in file order.
     """
-    text = _read_bytes(pid, "cgroup", proc_root).decode("utf-8", "replace")
+    text = read_proc_file(pid, "cgroup", proc_root).decode("utf-8", "replace")
     unified: str | None = None
     v1: list[tuple[str, str]] = []
     for line in text.splitlines():
@@ -297,7 +308,7 @@ def read_status_ids(pid: int, proc_root: str = "/proc") -> StatusIds:
     """
     nstgid = tgid = None
     euid = egid = None
-    for line in _read_bytes(pid, "status", proc_root).splitlines():
+    for line in read_proc_file(pid, "status", proc_root).splitlines():
         if line.startswith(b"NStgid:"):
             nstgid = tuple(int(x) for x in line[len(b"NStgid:") :].split())
         elif line.startswith(b"Tgid:"):
@@ -320,7 +331,7 @@ def read_vdso_address(pid: int, proc_root: str = "/proc") -> int | None:
     """Where the kernel put the process's vdso (``AT_SYSINFO_EHDR`` of its
     auxiliary vector), None if it has none. Unlike a ``[vdso]`` line of the
     maps, this is the kernel's word alone."""
-    data = _read_bytes(pid, "auxv", proc_root)
+    data = read_proc_file(pid, "auxv", proc_root)
     for key, value in _AUXV_ENTRY.iter_unpack(data[:len(data) // 16 * 16]):
         if key == _AT_SYSINFO_EHDR:
             return int(value)

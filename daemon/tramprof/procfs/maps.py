@@ -21,6 +21,7 @@ from operator import attrgetter
 from typing import NamedTuple
 
 from tramprof.model import ProcessGone, SymbolizationError
+from tramprof.procfs.identity import read_proc_file
 
 _DELETED_SUFFIX = " (deleted)"
 # Shared anonymous memory (MAP_SHARED|MAP_ANONYMOUS, SysV shm) shows up as a
@@ -211,11 +212,7 @@ def read_maps(pid: int, proc_root: str = "/proc") -> list[Mapping]:
     Raises ProcessGone when the process vanished (before or while reading);
     PermissionError is passed through. A kernel thread has an empty list.
     """
-    try:
-        with open(f"{proc_root}/{pid}/maps", "rb") as f:
-            text = f.read(MAX_MAPS_BYTES + 1)
-    except (FileNotFoundError, ProcessLookupError) as e:
-        raise ProcessGone(pid, f"cannot read maps: {e.strerror or e}") from e
+    text = read_proc_file(pid, "maps", proc_root, limit=MAX_MAPS_BYTES + 1)
     if len(text) > MAX_MAPS_BYTES:
         raise SymbolizationError(f"{proc_root}/{pid}/maps is larger than {MAX_MAPS_BYTES} "
                                  "bytes")
