@@ -1,5 +1,6 @@
 /*
- * The two per-frame passes of naming a drained stack, in C.
+ * The two per-frame passes of naming a drained stack, and the parse of a
+ * process's maps (at the bottom), in C.
  *
  * A busy node drains ~1,000 distinct stacks of up to ~160 frames every
  * interval. In Python, merging a stack's trampoline frames into its native
@@ -271,6 +272,204 @@ split_pairs(PyObject *self, PyObject *pairs)
     return Py_BuildValue("(NN)", firsts, seconds);
 }
 
+/*
+ * parse_maps(data, mapping_type) -> [mapping_type(...), ...] | None
+ *
+ * The lines of a /proc/PID/maps text, in file order, as instances of the
+ * tuple subclass mapping_type (start, end, perms, offset, dev_major,
+ * dev_minor, inode, path): a new process's maps are parsed at its first
+ * sample, and in Python the parse took longer than the kernel's read.
+ * Exactly the lines tramprof.procfs.maps._KERNEL_LINE matches, converted as
+ * parse_maps converts them; None as soon as any line is not one, a number
+ * does not fit in 64 bits, the permissions are not ASCII or a range ends
+ * before it starts: the caller then parses in Python, which says what is
+ * wrong.
+ */
+
+/* Lowercase hex digits at *p up to the first other byte: 1 and the value,
+ * 0 when there are none or the value overflows 64 bits. */
+static int
+scan_hex(const char **p, const char *end, uint64_t *out)
+{
+    const char *s = *p;
+    uint64_t v = 0;
+    while (s < end) {
+        unsigned d;
+        if (*s >= '0' && *s <= '9')
+            d = (unsigned)(*s - '0');
+        else if (*s >= 'a' && *s <= 'f')
+            d = (unsigned)(*s - 'a' + 10);
+        else
+            break;
+        if (v >> 60)
+            return 0;
+        v = (v << 4) | d;
+        s++;
+    }
+    if (s == *p)
+        return 0;
+    *p = s;
+    *out = v;
+    return 1;
+}
+
+static int
+scan_decimal(const char **p, const char *end, uint64_t *out)
+{
+    const char *s = *p;
+    uint64_t v = 0;
+    while (s < end && *s >= '0' && *s <= '9') {
+        unsigned d = (unsigned)(*s - '0');
+        if (v > (UINT64_MAX - d) / 10)
+            return 0;
+        v = v * 10 + d;
+        s++;
+    }
+    if (s == *p)
+        return 0;
+    *p = s;
+    *out = v;
+    return 1;
+}
+
+static int
+expect(const char **p, const char *end, char c)
+{
+    if (*p < end && **p == c) {
+        (*p)++;
+        return 1;
+    }
+    return 0;
+}
+
+/* Python's bytes-pattern \s: space, \t, \n, \r, \f, \v. */
+static int
+is_regex_space(char c)
+{
+    return c == ' ' || (c >= '\t' && c <= '\r');
+}
+
+/* The previous line's text of a column and its str: consecutive lines
+ * mostly share their permissions and their file (a library's four or five
+ * mappings), which then share one str. */
+typedef struct {
+    const char *text;
+    Py_ssize_t len;
+    PyObject *str;
+} last_text;
+
+static PyObject *
+text_str(last_text *last, const char *text, Py_ssize_t len, int ascii)
+{
+    if (last->str == NULL || last->len != len || memcmp(last->text, text, (size_t)len) != 0) {
+        PyObject *str = ascii ? PyUnicode_DecodeASCII(text, len, "strict")
+                              : PyUnicode_DecodeUTF8(text, len, "surrogateescape");
+        if (str == NULL)
+            return NULL;
+        Py_XSETREF(last->str, str);
+        last->text = text;
+        last->len = len;
+    }
+    return Py_NewRef(last->str);
+}
+
+/* One line (no '\n' in [s, end)) as a mapping_type instance; NULL with no
+ * error set when it is not a kernel line. */
+static PyObject *
+parse_maps_line(PyObject *mapping_type, const char *s, const char *end,
+                last_text *last_perms, last_text *last_path)
+{
+    uint64_t start, stop, offset, major, minor, inode;
+    if (!scan_hex(&s, end, &start) || !expect(&s, end, '-') || !scan_hex(&s, end, &stop)
+            || !expect(&s, end, ' '))
+        return NULL;
+    const char *perms = s;
+    while (s < end && !is_regex_space(*s)) {
+        if ((unsigned char)*s >= 0x80)
+            return NULL;
+        s++;
+    }
+    Py_ssize_t perms_len = s - perms;
+    if (perms_len == 0 || !expect(&s, end, ' ') || !scan_hex(&s, end, &offset)
+            || !expect(&s, end, ' ') || !scan_hex(&s, end, &major) || !expect(&s, end, ':')
+            || !scan_hex(&s, end, &minor) || !expect(&s, end, ' ')
+            || !scan_decimal(&s, end, &inode))
+        return NULL;
+    if (s < end && *s != ' ')
+        return NULL;
+    while (s < end && *s == ' ')
+        s++;
+    if (stop < start)
+        return NULL;
+    PyObject *row = PyTuple_New(8);
+    if (row == NULL)
+        return NULL;
+    PyObject *items[8] = {
+        PyLong_FromUnsignedLong((unsigned long)start),
+        PyLong_FromUnsignedLong((unsigned long)stop),
+        text_str(last_perms, perms, perms_len, 1),
+        PyLong_FromUnsignedLong((unsigned long)offset),
+        PyLong_FromUnsignedLong((unsigned long)major),
+        PyLong_FromUnsignedLong((unsigned long)minor),
+        PyLong_FromUnsignedLong((unsigned long)inode),
+        text_str(last_path, s, end - s, 0),
+    };
+    int failed = 0;
+    for (int i = 0; i < 8; i++) {
+        failed |= items[i] == NULL;
+        PyTuple_SET_ITEM(row, i, items[i]);  /* a NULL item is fine for Py_DECREF(row) */
+    }
+    if (failed) {
+        Py_DECREF(row);
+        return NULL;
+    }
+    PyObject *args = PyTuple_Pack(1, row);
+    Py_DECREF(row);
+    if (args == NULL)
+        return NULL;
+    /* tuple.__new__(mapping_type, row), as the named tuple's own __new__. */
+    PyObject *mapping = PyTuple_Type.tp_new((PyTypeObject *)mapping_type, args, NULL);
+    Py_DECREF(args);
+    return mapping;
+}
+
+static PyObject *
+parse_maps(PyObject *self, PyObject *args)
+{
+    const char *data;
+    Py_ssize_t size;
+    PyObject *mapping_type;
+    if (!PyArg_ParseTuple(args, "y#O:parse_maps", &data, &size, &mapping_type))
+        return NULL;
+    if (!PyType_Check(mapping_type)
+            || !PyType_IsSubtype((PyTypeObject *)mapping_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "parse_maps: mapping_type must be a tuple subclass");
+        return NULL;
+    }
+    PyObject *mappings = PyList_New(0);
+    if (mappings == NULL)
+        return NULL;
+    last_text last_perms = {0}, last_path = {0};
+    const char *s = data, *end = data + size;
+    while (s < end) {
+        const char *eol = memchr(s, '\n', (size_t)(end - s));
+        const char *line_end = eol != NULL ? eol : end;
+        PyObject *mapping = parse_maps_line(mapping_type, s, line_end, &last_perms, &last_path);
+        if (mapping == NULL || PyList_Append(mappings, mapping) < 0) {
+            Py_XDECREF(mapping);
+            Py_CLEAR(mappings);
+            break;
+        }
+        Py_DECREF(mapping);
+        s = line_end + 1;
+    }
+    Py_XDECREF(last_perms.str);
+    Py_XDECREF(last_path.str);
+    if (mappings == NULL && !PyErr_Occurred())
+        Py_RETURN_NONE;  /* not a kernel line */
+    return mappings;
+}
+
 static PyMethodDef methods[] = {
     {"merge_trampolines", merge_trampolines, METH_VARARGS,
      "A sample's lookup addresses with its trampoline frames merged in (None: not the "
@@ -279,13 +478,16 @@ static PyMethodDef methods[] = {
      "Each address's cached answer, the JIT cache's hits, the first miss."},
     {"split_pairs", split_pairs, METH_O,
      "A list of pairs as the list of their firsts and the list of their seconds."},
+    {"parse_maps", parse_maps, METH_VARARGS,
+     "The lines of a maps text as mappings, in file order (None: not all kernel lines)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "tramprof._speedups",
-    .m_doc = "The per-frame passes of naming a stack, in C (Python's code is the reference).",
+    .m_doc = "The per-frame passes of naming a stack and the maps parse, in C (Python's code "
+              "is the reference).",
     .m_size = -1,
     .m_methods = methods,
 };

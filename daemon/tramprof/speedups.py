@@ -2,11 +2,11 @@
 
 ``compiled`` is the extension module, or None: the package was installed
 without a C compiler or Python's headers (or with ``TRAMPROF_PURE_PYTHON=1``)
-and the per-frame passes of naming a stack run in Python alone, with the
-same results. The one place that decides it, for the modules that use the
-passes (read at each call: setting it to None turns them off, as the
-benchmark that compares the two does) and for what reports them
-(``tramprof_build_info``, ``doctor``).
+and the per-frame passes of naming a stack and the parse of a process's maps
+run in Python alone, with the same results. The one place that decides it,
+for the modules that use the passes (read at each call: setting it to None
+turns them off, as the benchmark that compares the two does) and for what
+reports them (``tramprof_build_info``, ``doctor``).
 """
 
 from __future__ import annotations

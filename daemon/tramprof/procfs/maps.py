@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 from typing import NamedTuple
 
+from tramprof import speedups
 from tramprof.model import ProcessGone, SymbolizationError
 from tramprof.procfs.identity import read_proc_file
 
@@ -177,6 +178,12 @@ def parse_maps(data: bytes | str) -> list[Mapping]:
     it does not match is parsed line by line, which says what is wrong."""
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogateescape")
+    compiled = speedups.compiled
+    if compiled is not None:
+        parsed: list[Mapping] | None = compiled.parse_maps(data, Mapping)
+        if parsed is not None:  # every line a kernel line: as below, a tenth of the time
+            parsed.sort(key=attrgetter("start"))
+            return parsed
     fields = _KERNEL_LINE.findall(data)
     mappings = [
         Mapping(int(start, 16), int(end, 16), perms.decode("ascii"), int(offset, 16),
