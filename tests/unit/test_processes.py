@@ -249,6 +249,7 @@ def test_table_events(tmp_path: Path, table: ProcessTable[str], rec: Recorder) -
     assert table.get(11, 110) is None
     table.on_event(ProcessEvent("exit", 12))
     assert sorted(table.identities(), key=lambda i: i.pid) == [ProcessIdentity(10, 100)]
+    assert table.pids() == {10}
     assert [v for _, v in rec.dropped] == ["s11", "s12"]
     # exec'd process: state is rebuilt on demand
     assert table.get_or_create(11, 110, rec.factory("s11-after-exec")) == "s11-after-exec"
@@ -283,6 +284,7 @@ def test_table_resync(tmp_path: Path, table: ProcessTable[str], rec: Recorder) -
     make_proc(tmp_path, 7, start=70, start_code=1, end_code=1, start_stack=0)
     assert table.resync() == 5
     assert sorted(i.pid for i in table.identities()) == [1, 6]
+    assert table.pids() == {1, 6}
     assert sorted(v for _, v in rec.dropped) == ["s2", "s3", "s4", "s5", "s7"]
 
 

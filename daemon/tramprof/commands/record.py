@@ -335,7 +335,7 @@ class _Session:
         if self.tree is not None:
             processes = len(self.tree.seen)
         else:
-            self._processes.update(i.pid for i in self.profiler.registry.identities())
+            self._processes.update(self.profiler.registry.pids())
             processes = len(self._processes)
         self.progress.update(time.monotonic() - self.began, self.total, samples, processes,
                              force)

@@ -284,7 +284,7 @@ class Profiler:
             self._refresh_modes(full=resynced)
         elif self.unwinders.following():
             try:
-                self.unwinders.follow({identity.pid for identity in self.registry.identities()})
+                self.unwinders.follow(self.registry.pids())
             except Exception:
                 self.errors.by_stage["unwind_refresh"] += 1
                 log.exception("following the unwinding modes' newcomers failed")
@@ -403,7 +403,7 @@ class Profiler:
                                                   cost / MODE_REFRESH_SHARE)
 
     def _refresh_modes_now(self, full: bool) -> None:
-        live = {identity.pid for identity in self.registry.identities()}
+        live = self.registry.pids()
         self.errors.forget_exited(live)
         self._considered.forget_exited(live)
         self._young.forget_exited(live)

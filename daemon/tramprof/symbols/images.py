@@ -362,6 +362,9 @@ class ProcessRegistry:
     def identities(self) -> list[ProcessIdentity]:
         return self._table.identities()
 
+    def pids(self) -> set[int]:
+        return self._table.pids()
+
     def identity(self, tgid: int, start_boottime_ns: int) -> ProcessIdentity:
         return ProcessIdentity(tgid, boottime_ns_to_ticks(start_boottime_ns))
 
