@@ -152,17 +152,23 @@ class Recorder:
     """Factory and on_drop callback that remember what happened."""
 
     def __init__(self) -> None:
+        self.gathered = 0
         self.made = 0
-        self.started: list[int] = []  # start time in the stat each factory got
+        self.started: list[int] = []  # start time in the stat each build got
         self.dropped: list[tuple[ProcessIdentity, str]] = []
 
-    def factory(self, label: str) -> Callable[[ProcStat], str]:
-        def make(stat: ProcStat) -> str:
-            self.made += 1
-            self.started.append(stat.start_ticks)
+    def factory(self, label: str) -> tuple[Callable[[], str], Callable[[ProcStat, str], str]]:
+        """``get_or_create``'s gather and build."""
+        def gather() -> str:
+            self.gathered += 1
             return label
 
-        return make
+        def build(stat: ProcStat, gathered: str) -> str:
+            self.made += 1
+            self.started.append(stat.start_ticks)
+            return gathered
+
+        return gather, build
 
     def on_drop(self, identity: ProcessIdentity, value: str) -> None:
         self.dropped.append((identity, value))
@@ -182,20 +188,20 @@ def test_table_pid_reuse_never_returns_the_old_state(
     tmp_path: Path, table: ProcessTable[str], rec: Recorder
 ) -> None:
     make_proc(tmp_path, 42, start=100)
-    assert table.get_or_create(42, 100, rec.factory("old")) == "old"
-    assert table.get_or_create(42, 100, rec.factory("again")) == "old"  # cached
+    assert table.get_or_create(42, 100, *rec.factory("old")) == "old"
+    assert table.get_or_create(42, 100, *rec.factory("again")) == "old"  # cached
     assert rec.made == 1
     # pid 42 is reused by a process that started at tick 200
     make_proc(tmp_path, 42, start=200)
     assert table.get(42, 200) is None
     assert ProcessIdentity(42, 200) not in table
-    assert table.get_or_create(42, 200, rec.factory("new")) == "new"
+    assert table.get_or_create(42, 200, *rec.factory("new")) == "new"
     assert rec.dropped == [(ProcessIdentity(42, 100), "old")]
     assert table.get(42, 100) is None
     assert len(table) == 1
     # A late request for the old process must not evict the new one.
     with pytest.raises(ProcessGone):
-        table.get_or_create(42, 100, rec.factory("zombie of the past"))
+        table.get_or_create(42, 100, *rec.factory("zombie of the past"))
     assert table.get(42, 200) == "new"
     assert rec.made == 2 and rec.started == [100, 200]
 
@@ -205,10 +211,10 @@ def test_table_refuses_to_build_state_from_another_process(
 ) -> None:
     make_proc(tmp_path, 42, start=300)  # /proc already shows the pid's next owner
     with pytest.raises(ProcessGone):
-        table.get_or_create(42, 100, rec.factory("wrong"))
+        table.get_or_create(42, 100, *rec.factory("wrong"))
     with pytest.raises(ProcessGone):
-        table.get_or_create(43, 100, rec.factory("gone"))  # no such pid at all
-    assert rec.made == 0
+        table.get_or_create(43, 100, *rec.factory("gone"))  # no such pid at all
+    assert rec.gathered == 2 and rec.made == 0  # read by pid, checked, never built
     assert len(table) == 0
 
 
@@ -217,29 +223,39 @@ def test_table_pid_reused_while_building(
 ) -> None:
     make_proc(tmp_path, 42, start=100)
 
-    def racing_factory(stat: ProcStat) -> str:
+    def racing_gather() -> str:
         make_proc(tmp_path, 42, start=101)  # exited and reused meanwhile
         return "mixed"
 
     with pytest.raises(ProcessGone):
-        table.get_or_create(42, 100, racing_factory)
+        table.get_or_create(42, 100, racing_gather, rec.factory("")[1])
     assert len(table) == 0
-    assert rec.dropped == [(ProcessIdentity(42, 100), "mixed")]  # released
+    assert rec.made == 0 and rec.dropped == []  # what was gathered is dropped, unbuilt
+    # A process that becomes a zombie meanwhile is refused the same way.
+    make_proc(tmp_path, 43, start=100)
+
+    def dying_gather() -> str:
+        make_proc(tmp_path, 43, start=100, state="Z")
+        return "dead"
+
+    with pytest.raises(ProcessGone):
+        table.get_or_create(43, 100, dying_gather, rec.factory("")[1])
+    assert len(table) == 0 and rec.made == 0
 
 
 def test_table_zombies(tmp_path: Path, table: ProcessTable[str], rec: Recorder) -> None:
     make_proc(tmp_path, 42, start=100, state="Z")
     with pytest.raises(ProcessGone):
-        table.get_or_create(42, 100, rec.factory("dead"))
+        table.get_or_create(42, 100, *rec.factory("dead"))
     # Leader exited, other threads still run: alive.
     make_proc(tmp_path, 43, start=100, state="Z", num_threads=5)
-    assert table.get_or_create(43, 100, rec.factory("alive")) == "alive"
+    assert table.get_or_create(43, 100, *rec.factory("alive")) == "alive"
 
 
 def test_table_events(tmp_path: Path, table: ProcessTable[str], rec: Recorder) -> None:
     for pid in (10, 11, 12):
         make_proc(tmp_path, pid, start=pid * 10)
-        table.get_or_create(pid, pid * 10, rec.factory(f"s{pid}"))
+        table.get_or_create(pid, pid * 10, *rec.factory(f"s{pid}"))
     table.on_event(ProcessEvent("fork", 10, 1))
     table.on_event(ProcessEvent("fork", 99, 10))
     table.on_event(ProcessEvent("exit", 99))
@@ -252,7 +268,7 @@ def test_table_events(tmp_path: Path, table: ProcessTable[str], rec: Recorder) -
     assert table.pids() == {10}
     assert [v for _, v in rec.dropped] == ["s11", "s12"]
     # exec'd process: state is rebuilt on demand
-    assert table.get_or_create(11, 110, rec.factory("s11-after-exec")) == "s11-after-exec"
+    assert table.get_or_create(11, 110, *rec.factory("s11-after-exec")) == "s11-after-exec"
     # An exec event applied after the state of the new image was built (events
     # take effect after the next drain) leaves that state alone.
     table.on_event(ProcessEvent("exec", 11))
@@ -272,7 +288,7 @@ def test_table_resync(tmp_path: Path, table: ProcessTable[str], rec: Recorder) -
     make_proc(tmp_path, 6, start=60, start_code=1, end_code=1, start_stack=0)  # hidden
     make_proc(tmp_path, 7, start=70)  # setuid exec: addresses become hidden
     for pid in range(1, 8):
-        table.get_or_create(pid, pid * 10, rec.factory(f"s{pid}"))
+        table.get_or_create(pid, pid * 10, *rec.factory(f"s{pid}"))
     assert table.resync() == 0
     for name in ("stat", "comm"):
         (tmp_path / "2" / name).unlink()
@@ -294,7 +310,7 @@ def test_table_survives_failing_on_drop(tmp_path: Path, caplog: pytest.LogCaptur
 
     t: ProcessTable[int] = ProcessTable(str(tmp_path), on_drop=bad_drop)
     make_proc(tmp_path, 7, start=1)
-    t.get_or_create(7, 1, lambda _stat: 1)
+    t.get_or_create(7, 1, lambda: 1, lambda _stat, one: one)
     with caplog.at_level(logging.ERROR):
         assert t.drop(7)
     assert len(t) == 0
@@ -304,11 +320,16 @@ def test_table_survives_failing_on_drop(tmp_path: Path, caplog: pytest.LogCaptur
 def test_table_factory_error_stores_nothing(tmp_path: Path, table: ProcessTable[str]) -> None:
     make_proc(tmp_path, 7, start=1)
 
-    def broken(stat: ProcStat) -> str:
+    def broken_gather() -> str:
         raise OSError("cannot read maps")
 
-    with pytest.raises(OSError):
-        table.get_or_create(7, 1, broken)
+    def broken_build(stat: ProcStat, gathered: str) -> str:
+        raise OSError("cannot parse maps")
+
+    with pytest.raises(OSError, match="read"):
+        table.get_or_create(7, 1, broken_gather, lambda stat, gathered: gathered)
+    with pytest.raises(OSError, match="parse"):
+        table.get_or_create(7, 1, lambda: "x", broken_build)
     assert len(table) == 0
 
 
@@ -334,7 +355,7 @@ def test_table_resync_on_live_proc_catches_a_lost_exec() -> None:
 
     try:
         start = wait_for_image("sh")
-        t.get_or_create(child.pid, start, lambda _stat: "sh state")
+        t.get_or_create(child.pid, start, lambda: "sh state", lambda _stat, state: state)
         assert t.resync() == 0
         assert child.stdin is not None
         child.stdin.write(b"go\n")
@@ -619,7 +640,7 @@ def test_table_fed_by_connector_does_not_grow_with_churn(
         try:
             st = read_stat(ev.pid)
             if st.ppid == shell.pid and st.comm == "cat":
-                table.get_or_create(ev.pid, st.start_ticks, lambda _stat: object())
+                table.get_or_create(ev.pid, st.start_ticks, object, lambda _stat, state: state)
                 created.add(ProcessIdentity(ev.pid, st.start_ticks))
         except ProcessGone:
             pass

@@ -21,6 +21,7 @@ from tramprof.procfs.identity import ExecSignature, ProcessIdentity, ProcStat, r
 _log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+G = TypeVar("G")
 
 
 @dataclass(slots=True)
@@ -36,7 +37,7 @@ class ProcessTable(Generic[T]):
     State is created lazily (``get_or_create``) and only ever dropped by
     events, so a late, lost or reordered event costs at most a rebuild,
     never a mix-up: creation checks in /proc that the pid still belongs to
-    the requested identity, before and after building the state.
+    the requested identity, after reading what the state is built from.
 
     * exit: the pid's state is dropped;
     * exec: the state is dropped (new address space) and rebuilt on demand,
@@ -100,16 +101,22 @@ class ProcessTable(Generic[T]):
         entry = self._entries.get(pid)
         return entry.value if entry is not None else None
 
-    def get_or_create(self, pid: int, start_ticks: int,
-                      factory: Callable[[ProcStat], T]) -> T:
-        """The state of process (pid, start_ticks), built by ``factory`` if needed.
+    def get_or_create(self, pid: int, start_ticks: int, gather: Callable[[], G],
+                      build: Callable[[ProcStat, G], T]) -> T:
+        """The state of process (pid, start_ticks), made if needed: ``gather``
+        reads what the state needs from /proc by pid, one stat read then
+        checks that the pid still belongs to that process, alive, and
+        ``build`` makes the state from what was gathered and that stat (its
+        comm is the process's name: one read fewer per new process).
 
-        Raises ProcessGone, without calling or keeping ``factory``'s result,
-        when that process no longer exists: exited, a zombie, or its pid now
-        belongs to another process (whose /proc files the factory would read).
-        Exceptions from ``factory`` propagate and nothing is stored.
-        ``factory`` gets the stat that showed the process alive (its comm
-        is the process's name: one read fewer per new process).
+        One check, after the reads, is enough: the identity was observed (a
+        sample, an event, a /proc read) before they began, and a process
+        holds its pid from its start to its death, so one found alive under
+        that identity after the reads held the pid throughout them: what was
+        gathered is its own. Raises ProcessGone, building and keeping nothing,
+        when the process is not there any more: exited, a zombie, or its pid
+        now belongs to another process (what was gathered is then dropped).
+        Exceptions from ``gather`` and ``build`` propagate and nothing is stored.
         """
         entry = self._entries.get(pid)
         if entry is not None:
@@ -117,17 +124,11 @@ class ProcessTable(Generic[T]):
                 return entry.value
             if entry.start_ticks > start_ticks:
                 raise ProcessGone(pid, "its pid has been reused by a newer process")
-        identity = ProcessIdentity(pid, start_ticks)
-        first = self._check_alive(identity)
+        gathered = gather()
+        stat = self._check_alive(ProcessIdentity(pid, start_ticks))
         if entry is not None:
             self._remove(pid)  # the pid was reused: the older process is dead
-        value = factory(first)
-        try:
-            # The process may have died, and its pid been reused, meanwhile.
-            stat = self._check_alive(identity)
-        except ProcessGone:
-            self._release(identity, value)
-            raise
+        value = build(stat, gathered)
         self._entries[pid] = _Entry(start_ticks, value, stat.exec_signature)
         return value
 

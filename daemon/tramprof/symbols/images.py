@@ -369,11 +369,15 @@ class ProcessRegistry:
         return ProcessIdentity(tgid, boottime_ns_to_ticks(start_boottime_ns))
 
     def _state(self, identity: ProcessIdentity, fallback_name: str) -> ProcessState:
-        def create(stat: ProcStat) -> ProcessState:
-            metadata = read_metadata(identity.pid, self.proc_root, comm=stat.comm)
-            return ProcessState(name=metadata.comm or fallback_name, metadata=metadata)
+        def gather() -> ProcessMetadata:  # all but the name, which the check's stat has
+            return read_metadata(identity.pid, self.proc_root, comm="")
 
-        return self._table.get_or_create(identity.pid, identity.start_ticks, create)
+        def build(stat: ProcStat, gathered: ProcessMetadata) -> ProcessState:
+            metadata = ProcessMetadata(stat.comm, gathered.exe, gathered.container_id,
+                                       gathered.pod_uid)
+            return ProcessState(name=stat.comm or fallback_name, metadata=metadata)
+
+        return self._table.get_or_create(identity.pid, identity.start_ticks, gather, build)
 
     def image(self, tgid: int, start_boottime_ns: int, exec_id: int,
               fallback_name: str) -> tuple[str, ProcessImage | None]:
