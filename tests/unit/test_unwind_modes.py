@@ -5,6 +5,7 @@ fake BPF tables (all-or-nothing installs, pages shared between walkers)."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import struct
 from dataclasses import replace
@@ -477,6 +478,37 @@ def test_writer_refuses_a_process_over_its_cap_and_rolls_back_a_full_map():
     assert pages_of(bpf, 3) == set() and len(bpf.tables[b"chain_procs"]) == 1
     assert pages_of(bpf, 2) == {0x10000 + i * 0x1000 for i in range(6)}
     assert writer.pages_held(3) == 0 and writer.pages_held(2) == 6
+
+
+def test_scan_mode_backs_off_its_idle_looks_until_the_maps_change(tmp_path):
+    """Each idle look (a perf map without Python entries) doubles the wait to
+    the next, up to MAX_IDLE_LOOK_SECONDS; a change of the maps looks at once
+    and starts again from IDLE_LOOK_SECONDS."""
+    from tramprof.unwind.scan import IDLE_LOOK_SECONDS, MAX_IDLE_LOOK_SECONDS
+
+    proc = fake_proc(tmp_path, [ARENA], [], [ARENA],
+                     perf_map=f"{ARENA + 0x40:x} 20 LazyCompile:*main /app/a.js:1\n")
+    scan = ScanMode(RecordingMaps(), str(proc))
+    clock = [100.0]
+    scan._now = lambda: clock[0]
+    looks: list[float] = []
+    update = scan._update
+    scan._update = lambda pid: (looks.append(clock[0]), update(pid))[1]
+
+    def refresh_every_second(seconds: int) -> list[float]:
+        """The gaps between the looks over ``seconds`` of refreshes."""
+        looks.clear()
+        for _ in range(seconds):
+            scan.refresh({PID})
+            clock[0] += 1
+        return [later - earlier for earlier, later in itertools.pairwise(looks)]
+
+    scan.consider(PID, mappings(proc))  # the first look
+    assert IDLE_LOOK_SECONDS == 10 and MAX_IDLE_LOOK_SECONDS == 160
+    assert refresh_every_second(500) == [10, 20, 40, 80, 160, 160]
+    scan.consider(PID, mappings(proc))  # its maps changed
+    assert refresh_every_second(100) == [10, 20, 40]
+    assert looks[0] == clock[0] - 100  # looked at the first refresh after the change
 
 
 def test_scan_mode_looks_at_a_perf_map_without_python_entries_less_often(tmp_path):

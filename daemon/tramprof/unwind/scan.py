@@ -49,8 +49,12 @@ _PERF_MAP_CAPS = {"max_file_bytes": 64 << 20, "max_entries": 1 << 20}
 # Python entry (node, a JVM, or a CPython without -X perf) is looked at this
 # often after its first seconds, not at every refresh: reopening its perf map
 # through the hardened reader every second is most of this mode's cost on a
-# busy node. A change of its maps (an injection) brings it back at once.
+# busy node. A change of its maps (an injection, or CPython mapping its first
+# trampoline arena) brings it back at once; the looks are only the backstop,
+# so each idle look doubles the wait to the next, up to MAX_IDLE_LOOK_SECONDS
+# (forty node processes were ~4 reopened perf maps a second at a fixed 10 s).
 IDLE_LOOK_SECONDS = 10.0
+MAX_IDLE_LOOK_SECONDS = 160.0
 
 
 def is_anon_exec(m: Mapping) -> bool:
@@ -91,6 +95,13 @@ class _Candidate:
     perf_map: PerfMap | None = None
     python_seen: bool = False   # the perf map ever had a py:: entry
     next_look: float = 0.0      # monotonic; refreshes before it skip an idle candidate
+    idle_wait: float = IDLE_LOOK_SECONDS  # seconds from the next idle look to the one after
+
+    def looked_idle(self, now: float) -> None:
+        """An idle look (no Python entry so far): the next in ``idle_wait``
+        seconds, the one after in twice that (at most MAX_IDLE_LOOK_SECONDS)."""
+        self.next_look = now + self.idle_wait
+        self.idle_wait = min(2 * self.idle_wait, MAX_IDLE_LOOK_SECONDS)
 
     def collect(self, parsed: ParsedLines) -> None:
         """The perf map reader's new entries: keep the stubs' places."""
@@ -136,8 +147,9 @@ class ScanMode:
         known = self._candidates.get(pid)
         if known is not None:
             # Its maps changed (new arenas, an injected -X perf): look at
-            # the next refresh.
+            # the next refresh, and often again for a while.
             known.next_look = 0.0
+            known.idle_wait = IDLE_LOOK_SECONDS
             return
         if pid in self._refused:
             return
@@ -166,7 +178,7 @@ class ScanMode:
             elif cand.python_seen or now >= cand.next_look:
                 self._update(pid)
                 if not cand.python_seen and pid in self._candidates:
-                    cand.next_look = now + IDLE_LOOK_SECONDS
+                    cand.looked_idle(now)
         for pid in [p for p in self._refused if p not in live]:
             del self._refused[pid]
 
