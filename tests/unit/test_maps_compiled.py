@@ -7,7 +7,6 @@ kept past a call."""
 from __future__ import annotations
 
 import glob
-import tracemalloc
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tramprof import speedups
 from tramprof.procfs.maps import Mapping, parse_maps
+
+from .traced import traced_bytes
 
 try:
     from tramprof import _speedups
@@ -164,11 +165,5 @@ def test_no_reference_is_kept_past_a_call() -> None:
             assert _speedups.parse_maps(bad, Mapping) is None
 
     calls()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        calls()
-        grown = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
+    _, grown = traced_bytes(calls)
     assert grown < 64 * 1024

@@ -5,8 +5,6 @@ put there), and no reference kept past a call."""
 
 from __future__ import annotations
 
-import tracemalloc
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +13,8 @@ from tramprof.sampler import layout
 from tramprof.symbols.images import ProcessImage
 from tramprof.unwind import merge
 from tramprof.unwind.arenas import Arenas
+
+from .traced import traced_bytes
 
 try:
     from tramprof import _speedups
@@ -156,11 +156,5 @@ def test_no_reference_is_kept_past_a_call() -> None:
                                         NATIVE_GAP)
 
     calls()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        calls()
-        grown = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
+    _, grown = traced_bytes(calls)
     assert grown < 64 * 1024
