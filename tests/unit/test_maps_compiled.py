@@ -15,16 +15,10 @@ from hypothesis import strategies as st
 from tramprof import speedups
 from tramprof.procfs.maps import Mapping, parse_maps
 
+from .compiled import _speedups, needs_speedups
 from .traced import traced_bytes
 
-try:
-    from tramprof import _speedups
-except ImportError:
-    _speedups = None  # type: ignore[assignment]
-
-pytestmark = pytest.mark.skipif(
-    _speedups is None, reason="tramprof._speedups is not built (make setup builds it: gcc, "
-                              "python3-dev)")
+pytestmark = needs_speedups
 
 
 def parsed(data: bytes, compiled: object) -> tuple[str, object]:

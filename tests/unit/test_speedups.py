@@ -5,7 +5,6 @@ put there), and no reference kept past a call."""
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tramprof.model import NATIVE_GAP, FrameSource, RawSample
@@ -14,16 +13,8 @@ from tramprof.symbols.images import ProcessImage
 from tramprof.unwind import merge
 from tramprof.unwind.arenas import Arenas
 
+from .compiled import _speedups, needs_speedups
 from .traced import traced_bytes
-
-try:
-    from tramprof import _speedups
-except ImportError:
-    _speedups = None  # type: ignore[assignment]
-
-needs_speedups = pytest.mark.skipif(
-    _speedups is None, reason="tramprof._speedups is not built (make setup builds it: gcc, "
-                              "python3-dev)")
 
 U64 = (1 << 64) - 1
 BASE = 0x7F00_0000_0000
