@@ -216,9 +216,6 @@ class Profiler:
         self._next_mode_refresh = float("-inf")  # monotonic seconds
         self._next_resync = time.monotonic() + RESYNC_SECONDS
         self._next_events_read = float("-inf")  # monotonic seconds
-        # The descriptors the loop waits on, registered once (poll()'s set
-        # changes only when they do).
-        self._waited: tuple[tuple[int, ...], select.poll] | None = None
 
     def start(self) -> None:
         # Compile first, while this process is still small: the compiler
@@ -245,7 +242,11 @@ class Profiler:
         # CPU only: the time asleep in poll() counts for nothing.
         cpu_began = time.thread_time()
         try:
-            ready = self._poller((*self.event_fds(), *wake_fds))
+            # poll, not select: descriptors past 1023 (a busy host's held
+            # files push them there) are fine.
+            ready = select.poll()
+            for fd in (*self.event_fds(), *wake_fds):
+                ready.register(fd, select.POLLIN)
             timeout = min(timeout, EVENTS_EVERY)
             if self.unwinders.following():
                 timeout = min(timeout, FOLLOW_EVERY)
@@ -259,17 +260,6 @@ class Profiler:
             self.poll_process_events()
         finally:
             self.stats.add_cpu("process_events", time.thread_time() - cpu_began)
-
-    def _poller(self, fds: tuple[int, ...]) -> select.poll:
-        """A poll object registered for ``fds`` (poll, not select:
-        descriptors past 1023, where a busy host's held files push them,
-        are fine)."""
-        if self._waited is None or self._waited[0] != fds:
-            ready = select.poll()
-            for fd in fds:
-                ready.register(fd, select.POLLIN)
-            self._waited = (fds, ready)
-        return self._waited[1]
 
     def poll_process_events(self) -> None:
         """Warm newly sampled processes, queue lifecycle events (applied after
