@@ -16,7 +16,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import TypeVar, cast
 
@@ -373,9 +373,8 @@ class ProcessRegistry:
             return read_metadata(identity.pid, self.proc_root, comm="")
 
         def build(stat: ProcStat, gathered: ProcessMetadata) -> ProcessState:
-            metadata = ProcessMetadata(stat.comm, gathered.exe, gathered.container_id,
-                                       gathered.pod_uid)
-            return ProcessState(name=stat.comm or fallback_name, metadata=metadata)
+            return ProcessState(name=stat.comm or fallback_name,
+                                metadata=replace(gathered, comm=stat.comm))
 
         return self._table.get_or_create(identity.pid, identity.start_ticks, gather, build)
 
