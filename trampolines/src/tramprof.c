@@ -31,6 +31,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <inttypes.h>
 #include <fcntl.h>
 #include <stdarg.h>
@@ -984,6 +985,8 @@ enum {
     TRAMPROF_CAL_FIB_CALLS = 465,
     TRAMPROF_CAL_REPEAT = 20,       /* recursions with the hook, and without (~0.3 ms each) */
     TRAMPROF_CAL_FIRST_ROUNDS = 7,  /* at the first activation */
+    TRAMPROF_CAL_FIRST_MAX = 21,    /* tried at most: more while a round is dropped
+                                       (moved), or their mean is not yet positive */
     TRAMPROF_CAL_KEPT = 32,         /* rounds the published cost is taken over */
 };
 #define TRAMPROF_CAL_EARLY_NS 1000000000ULL    /* between rounds (mean), until KEPT rounds */
@@ -1043,13 +1046,18 @@ tramprof_cal_prepare(void)
 
 /* With the GIL: one round. 0 with the extra ps per call in *cost; 1 when it
  * could not measure (another eval-frame function was installed meanwhile,
- * which is then left alone); -1 with an exception set. */
+ * which is then left alone); 2 when the thread moved to another CPU during
+ * it (its parts then ran at different speeds: on a shared virtual machine
+ * the same recursion ran up to 1.7x slower from one process to the next,
+ * ten times the hook's cost on 3.9); -1 with an exception set. */
 static int
 tramprof_cal_round(PyInterpreterState *interp, int64_t *cost)
 {
     uint64_t spent[2] = {0, 0};
     _PyFrameEvalFunction mine = NULL;
     int rc = 0;
+    int cpu = sched_getcpu();
+    int moved = 0;
     tramprof_cal_saved = _PyInterpreterState_GetEvalFrameFunc(interp);
     tramprof_calibrating = 1;
     /* Without the hook, with it, without it again: half the repeats each
@@ -1073,6 +1081,7 @@ tramprof_cal_round(PyInterpreterState *interp, int64_t *cost)
             Py_XDECREF(result);
         }
         spent[on] += tramprof_clock_ns(CLOCK_THREAD_CPUTIME_ID) - began;
+        moved |= sched_getcpu() != cpu;
         if (on && rc == 0 && tramprof_descriptor.hook_calls >= calls + (uint64_t)(
                 TRAMPROF_CAL_REPEAT * TRAMPROF_CAL_FIB_CALLS))
             /* hook_calls counts the program's calls, not these */
@@ -1083,6 +1092,8 @@ tramprof_cal_round(PyInterpreterState *interp, int64_t *cost)
         _PyInterpreterState_SetEvalFrameFunc(interp, tramprof_cal_saved);
     else if (rc == 0)
         rc = 1;
+    if (rc == 0 && moved)
+        rc = 2;
     if (rc == 0)
         *cost = ((int64_t)spent[1] - (int64_t)spent[0]) * 1000 /
                 (TRAMPROF_CAL_REPEAT * TRAMPROF_CAL_FIB_CALLS);
@@ -1146,17 +1157,27 @@ tramprof_cal_interval_ns(void)
     return mean / 2 + mean / 1000 * draw;
 }
 
-/* At the first activation, with the GIL and the default evaluator. */
+/* At the first activation, with the GIL and the default evaluator. Where
+ * the hook is cheap against the noise of a shared CPU (3.9: ~7 ns a call),
+ * seven rounds can leave no positive mean (one start in about twenty),
+ * and a program that makes few calls would then publish no cost until it
+ * made thousands: more rounds run until there is one, up to a bound. */
 static void
 tramprof_calibrate(PyInterpreterState *interp)
 {
     if (tramprof_cal_prepare() == 0) {
-        for (int round = 0; round < TRAMPROF_CAL_FIRST_ROUNDS; round++) {
+        int recorded = 0;
+        for (int round = 0; round < TRAMPROF_CAL_FIRST_MAX && (
+                 recorded < TRAMPROF_CAL_FIRST_ROUNDS || tramprof_descriptor.call_cost_ps == 0);
+             round++) {
             int64_t cost;
             int rc = tramprof_cal_round(interp, &cost);
+            if (rc == 2)
+                continue;
             if (rc != 0)
                 break;
             tramprof_cal_record(cost);
+            recorded++;
         }
     }
     if (PyErr_Occurred())
