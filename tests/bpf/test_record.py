@@ -47,6 +47,18 @@ def test_known_chain_is_exact(targets, start_target):
     assert good / total >= 0.95, sorted(stacks.items(), key=lambda kv: -kv[1])[:5]
 
 
+def test_a_process_whose_main_thread_exited_keeps_its_names(targets, start_target):
+    """Its main thread's /proc entry shows no memory (empty maps, no root);
+    the process runs on in another thread and is named through that one's."""
+    target = start_target(str(targets / "chain"), "30", "orphan")
+    stacks = record(target.pid, 3)
+    total = sum(stacks.values())
+    assert total > 1500, f"expected ~3000 samples at 999 Hz for 3 s, got {total}"
+    good = sum(count for (comm, *frames), count in stacks.items()
+               if comm == "chain" and frames[-4:] == ["orphan", "chain_a", "chain_b", "chain_c"])
+    assert good / total >= 0.95, sorted(stacks.items(), key=lambda kv: -kv[1])[:5]
+
+
 def wait_until_sampling(pid: int, timeout: float = 60.0) -> None:
     """Until the process holds perf events (the BPF program is attached)."""
     deadline = time.monotonic() + timeout

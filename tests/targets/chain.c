@@ -4,9 +4,15 @@
  * GCC omits the frame pointer setup of leaf functions even with
  * -fno-omit-frame-pointer on some versions, which would hide the caller.
  * Runs for argv[1] seconds (default 30), printing "ready" once started.
+ * With "orphan" as argv[2], the main thread starts a thread that runs
+ * orphan -> chain_a -> chain_b -> chain_c and exits (pthread_exit); the
+ * process runs on in that thread, which prints "ready" once the main thread
+ * has gone.
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 static volatile unsigned long sink;
@@ -48,9 +54,31 @@ __attribute__((noinline)) void chain_a(double until)
     rarely(1);
 }
 
+static double seconds = 30.0;
+static pthread_t main_thread;
+
+__attribute__((noinline)) static void *orphan(void *unused)
+{
+    (void)unused;
+    pthread_join(main_thread, NULL);
+    printf("ready\n");
+    fflush(stdout);
+    chain_a(now() + seconds);
+    rarely(3);
+    exit(0);
+}
+
 int main(int argc, char **argv)
 {
-    double seconds = argc > 1 ? atof(argv[1]) : 30.0;
+    pthread_t thread;
+    if (argc > 1)
+        seconds = atof(argv[1]);
+    if (argc > 2 && strcmp(argv[2], "orphan") == 0) {
+        main_thread = pthread_self();
+        if (pthread_create(&thread, NULL, orphan, NULL) != 0)
+            return 1;
+        pthread_exit(NULL);
+    }
     printf("ready\n");
     fflush(stdout);
     chain_a(now() + seconds);

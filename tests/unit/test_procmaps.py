@@ -147,12 +147,17 @@ def test_find_mapping_boundaries() -> None:
     assert find_mapping(ms, 0xFFFFFFFFFF600010) is ms[-1]
 
 
-def _fake_proc(tmp_path: Path, pid: int, maps: str | None, state: str = "S") -> str:
+def _fake_proc(tmp_path: Path, pid: int, maps: str | None, state: str = "S",
+               threads: int = 1) -> str:
     d = tmp_path / str(pid)
     d.mkdir()
     if maps is not None:
         (d / "maps").write_text(maps)
-    (d / "stat").write_text(f"{pid} (a) b) {state} 1 1 1 0 -1\n")
+    # state ppid pgrp session tty tpgid flags, 4 fault counts, utime stime
+    # cutime cstime priority nice num_threads itrealvalue starttime, and on.
+    fields = [state, 1, 1, 1, 0, -1, 0, 0, 0, 0, 0, 3, 4, 0, 0, 20, 0, threads, 0, 1234,
+              *[0] * 30]
+    (d / "stat").write_text(f"{pid} (a) b) {' '.join(map(str, fields))}\n")
     return str(tmp_path)
 
 
@@ -178,6 +183,10 @@ def test_empty_maps_of_zombie_is_gone_of_kernel_thread_is_empty(tmp_path: Path) 
     root = _fake_proc(tmp_path, 2, "", state="I")
     assert not process_exited(2, root)
     assert read_maps(2, root) == []
+    # The main thread exited, another runs on: its maps show elsewhere.
+    root = _fake_proc(tmp_path, 3, "", state="Z", threads=2)
+    assert not process_exited(3, root)
+    assert read_maps(3, root) == []
 
 
 def test_read_maps_malformed_is_symbolization_error(tmp_path: Path) -> None:

@@ -11,12 +11,13 @@ import mmap
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from tramprof.procfs.maps import Mapping
+from tramprof.procfs.maps import Mapping, process_exited
 from tramprof.symbols import elf as elf_module
 from tramprof.symbols import usersyms as usersyms_module
 from tramprof.symbols.elf import ElfCache, ElfSymbols
@@ -68,12 +69,14 @@ def bins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "lib": d / "libtramprof_unit.so",
         "dlopen": d / "dlopen_target",
         "pie_stripped": d / "target_stripped",
+        "leader_exits": d / "leader_exits",
     }
     _run("gcc", *CFLAGS, "-fPIE", "-pie", "-o", b["pie"], CSRC / "target.c")
     _run("gcc", *CFLAGS, "-fno-pie", "-no-pie", "-o", b["nopie"], CSRC / "target.c")
     _run("gcc", *CFLAGS, "-shared", "-fPIC", "-o", b["lib"], CSRC / "shlib.c")
     _run("gcc", *CFLAGS, "-o", b["dlopen"], CSRC / "dlopen_target.c", "-ldl")
     _run("strip", "-o", b["pie_stripped"], b["pie"])
+    _run("gcc", *CFLAGS, "-pthread", "-o", b["leader_exits"], CSRC / "leader_exits.c")
     return b
 
 
@@ -285,6 +288,26 @@ def test_process_gone_after_maps_were_read(bins: dict[str, Path]) -> None:
         offset = leaf - m.start + m.offset
         assert sym.resolve(leaf) == f"target_pie+0x{offset:x}"
     assert sym.stats.snapshot() == {"process_gone": 1}
+
+
+def test_a_process_whose_main_thread_exited_is_named_through_a_running_thread(
+    bins: dict[str, Path],
+) -> None:
+    """The main thread's /proc entry shows no memory once it has exited (empty
+    maps, no root), though the process runs on in its other threads: their
+    entries show its maps and files. It is not a process that exited."""
+    with running(bins["leader_exits"]) as (proc, (leaf,)):
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the main thread did not exit"
+            time.sleep(0.01)
+        assert Path(f"/proc/{proc.pid}/maps").read_text() == ""
+        sym = _symbolizer(proc.pid)
+        assert sym.resolve(leaf) == "tramprof_unit_worker_leaf"
+        assert not sym.exited_unread()
+        assert sym.stats.total() == 0
+        assert process_exited(proc.pid) is False
+    assert process_exited(proc.pid) is True
 
 
 @needs_root

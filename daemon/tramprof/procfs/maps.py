@@ -14,6 +14,7 @@ the file can be opened again); every name shown to a person goes through
 
 from __future__ import annotations
 
+import os
 import re
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from typing import NamedTuple
 
 from tramprof import speedups
 from tramprof.model import ProcessGone, SymbolizationError
-from tramprof.procfs.identity import read_proc_file
+from tramprof.procfs.identity import read_proc_file, read_stat
 
 _DELETED_SUFFIX = " (deleted)"
 # Shared anonymous memory (MAP_SHARED|MAP_ANONYMOUS, SysV shm) shows up as a
@@ -199,18 +200,36 @@ def parse_maps(data: bytes | str) -> list[Mapping]:
 
 
 def process_exited(pid: int, proc_root: str = "/proc") -> bool:
-    """True when ``pid`` no longer exists or is a zombie (its memory is gone)."""
+    """True when ``pid`` no longer exists or all its threads have exited (its
+    memory is gone). A process whose main thread exited while others run is
+    not: see ``memory_thread``."""
     try:
-        with open(f"{proc_root}/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
+        return read_stat(pid, proc_root).is_dead
+    except ProcessGone:
         return True
-    except OSError:
+    except (OSError, ValueError):
         return False
-    # The state follows the parenthesised comm, which may itself contain ')'.
-    _, _, rest = stat.rpartition(b")")
-    state = rest.split(None, 1)[:1]
-    return state in ([b"Z"], [b"X"], [b"x"])
+
+
+def memory_thread(pid: int, proc_root: str = "/proc") -> int | None:
+    """A running thread of ``pid`` when its main thread has exited and others
+    run on, else None. The main thread's /proc entry then shows none of the
+    process's memory (empty maps, no root, no map_files), while each other
+    thread's entry under ``task`` shows it all but map_files."""
+    try:
+        if not read_stat(pid, proc_root).leader_exited:
+            return None
+        with os.scandir(f"{proc_root}/{pid}/task") as entries:
+            tids = [int(e.name) for e in entries if e.name.isdigit() and int(e.name) != pid]
+    except (ProcessGone, OSError, ValueError):
+        return None
+    for tid in sorted(tids):
+        try:
+            if not read_stat(tid, f"{proc_root}/{pid}/task").leader_exited:
+                return tid  # its own state: running or sleeping
+        except (ProcessGone, OSError, ValueError):
+            continue
+    return None
 
 
 def read_maps(pid: int, proc_root: str = "/proc") -> list[Mapping]:

@@ -24,7 +24,7 @@ from typing import BinaryIO, NamedTuple
 
 from tramprof.model import ProcessGone, SymbolizationError
 from tramprof.procfs.identity import read_vdso_address
-from tramprof.procfs.maps import Mapping, process_exited, read_maps
+from tramprof.procfs.maps import Mapping, memory_thread, process_exited, read_maps
 from tramprof.procfs.memory import read_memory
 from tramprof.symbols.debuginfo import DebugInfo, DebugTable
 from tramprof.symbols.demangle import MANGLED_PREFIXES, Demangler
@@ -161,8 +161,9 @@ class ProcessSymbolizer:
         self._kernel_vdso = kernel_vdso
         self.stats = stats if stats is not None else SymbolizationStats()
         self._cache = elf_cache
-        self._proc = f"{proc_root}/{pid}"
+        self._proc = f"{proc_root}/{pid}"  # where its memory shows (see _read_maps)
         self._proc_root = proc_root
+        self._thread: int | None = None  # the running thread _proc is, if not pid
         self._anon_resolver = anon_resolver
         self._refresh_interval = maps_refresh_interval
         self._mappings: list[Mapping] = []
@@ -210,11 +211,29 @@ class ProcessSymbolizer:
         zombie). Then none of its user frames can be named."""
         return not self.mappings and self._maps_error in (None, FailureReason.PROCESS_GONE)
 
+    def _read_maps(self) -> list[Mapping]:
+        """The process's maps: from its main thread's /proc entry or, once
+        that thread has exited while others run on (its entry then shows no
+        memory), from a running thread's, whose entry then also serves to
+        open the mapped files (through its root: it has no map_files)."""
+        tasks = f"{self._proc_root}/{self.pid}/task"
+        if self._thread is not None:
+            try:
+                return read_maps(self._thread, tasks)
+            except ProcessGone:  # that thread exited: look for another
+                self._thread, self._proc = None, f"{self._proc_root}/{self.pid}"
+        mappings = read_maps(self.pid, self._proc_root)
+        thread = None if mappings else memory_thread(self.pid, self._proc_root)
+        if thread is None:
+            return mappings
+        self._thread, self._proc = thread, f"{tasks}/{thread}"
+        return read_maps(thread, tasks)
+
     def reload_maps(self) -> None:
         """Re-read ``/proc/PID/maps``, dropping state of vanished mappings."""
         self._maps_loaded_at = time.monotonic()
         try:
-            mappings = read_maps(self.pid, self._proc_root)
+            mappings = self._read_maps()
         except ProcessGone:
             self._maps_error = FailureReason.PROCESS_GONE
             return
