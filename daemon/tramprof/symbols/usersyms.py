@@ -161,9 +161,8 @@ class ProcessSymbolizer:
         self._kernel_vdso = kernel_vdso
         self.stats = stats if stats is not None else SymbolizationStats()
         self._cache = elf_cache
-        self._proc = f"{proc_root}/{pid}"  # where its memory shows (see _read_maps)
         self._proc_root = proc_root
-        self._thread: int | None = None  # the running thread _proc is, if not pid
+        self._thread: int | None = None  # a running thread, once the main one exited
         self._anon_resolver = anon_resolver
         self._refresh_interval = maps_refresh_interval
         self._mappings: list[Mapping] = []
@@ -211,6 +210,14 @@ class ProcessSymbolizer:
         zombie). Then none of its user frames can be named."""
         return not self.mappings and self._maps_error in (None, FailureReason.PROCESS_GONE)
 
+    @property
+    def _proc(self) -> str:
+        """Where the process's memory and files show: its /proc entry, or a
+        running thread's once its main thread has exited (``_read_maps``)."""
+        if self._thread is None:
+            return f"{self._proc_root}/{self.pid}"
+        return f"{self._proc_root}/{self.pid}/task/{self._thread}"
+
     def _read_maps(self) -> list[Mapping]:
         """The process's maps: from its main thread's /proc entry or, once
         that thread has exited while others run on (its entry then shows no
@@ -219,15 +226,18 @@ class ProcessSymbolizer:
         tasks = f"{self._proc_root}/{self.pid}/task"
         if self._thread is not None:
             try:
-                return read_maps(self._thread, tasks)
-            except ProcessGone:  # that thread exited: look for another
-                self._thread, self._proc = None, f"{self._proc_root}/{self.pid}"
+                mappings = read_maps(self._thread, tasks)
+                if mappings:
+                    return mappings
+            except ProcessGone:
+                pass
+            self._thread = None  # that thread exited: look for another
         mappings = read_maps(self.pid, self._proc_root)
-        thread = None if mappings else memory_thread(self.pid, self._proc_root)
-        if thread is None:
-            return mappings
-        self._thread, self._proc = thread, f"{tasks}/{thread}"
-        return read_maps(thread, tasks)
+        if not mappings:
+            self._thread = memory_thread(self.pid, self._proc_root)
+            if self._thread is not None:
+                return read_maps(self._thread, tasks)
+        return mappings
 
     def reload_maps(self) -> None:
         """Re-read ``/proc/PID/maps``, dropping state of vanished mappings."""
