@@ -18,6 +18,7 @@ import os
 import re
 from bisect import bisect_right
 from collections.abc import Sequence
+from itertools import islice
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -32,6 +33,9 @@ _ANON_PREFIXES = ("[anon:", "[anon_shmem:", "//anon", "/dev/zero (deleted)", "/S
 #: The most of a maps file read: 65,530 mappings (vm.max_map_count) of ~250
 #: bytes. A process with more (or with huge names) is refused, not read.
 MAX_MAPS_BYTES = 16 << 20
+# Threads of a process whose main thread exited looked at for a running one
+# (the task directory lists them oldest first; one is nearly always enough).
+MAX_THREADS_LOOKED_AT = 64
 
 
 def display_name(text: str) -> str:
@@ -220,10 +224,11 @@ def memory_thread(pid: int, proc_root: str = "/proc") -> int | None:
         if not read_stat(pid, proc_root).leader_exited:
             return None
         with os.scandir(f"{proc_root}/{pid}/task") as entries:
-            tids = [int(e.name) for e in entries if e.name.isdigit() and int(e.name) != pid]
+            tids = [int(e.name) for e in islice(entries, MAX_THREADS_LOOKED_AT)
+                    if e.name.isdigit() and int(e.name) != pid]
     except (ProcessGone, OSError, ValueError):
         return None
-    for tid in sorted(tids):
+    for tid in tids:
         try:
             if not read_stat(tid, f"{proc_root}/{pid}/task").leader_exited:
                 return tid  # its own state: running or sleeping
