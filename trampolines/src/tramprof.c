@@ -995,6 +995,7 @@ static PyObject *tramprof_cal_fn[2];           /* the recursions, off and on (ke
 static PyObject *tramprof_cal_depth;
 static int64_t tramprof_cal_costs[TRAMPROF_CAL_KEPT];   /* ps per call, a ring */
 static uint64_t tramprof_cal_rounds;           /* rounds recorded so far */
+static uint64_t tramprof_cal_dropped;          /* ... and dropped (the thread moved) */
 static uint64_t tramprof_cal_next_ns;          /* CLOCK_MONOTONIC of the next round */
 static int tramprof_cal_scheduled;             /* a pending call is queued */
 static unsigned tramprof_cal_seed;             /* rand_r state of the intervals */
@@ -1161,7 +1162,11 @@ tramprof_cal_interval_ns(void)
  * the hook is cheap against the noise of a shared CPU (3.9: ~7 ns a call),
  * seven rounds can leave no positive mean (one start in about twenty),
  * and a program that makes few calls would then publish no cost until it
- * made thousands: more rounds run until there is one, up to a bound. */
+ * made thousands: more rounds run until there is one, up to a bound. Even
+ * 21 rounds can leave none on a loaded machine (one 3.9 start in a hundred
+ * with both CPUs busy): the cost then stays unknown until later rounds find
+ * it, which they do while the program makes calls, the only case where it
+ * weighs. */
 static void
 tramprof_calibrate(PyInterpreterState *interp)
 {
@@ -1172,8 +1177,10 @@ tramprof_calibrate(PyInterpreterState *interp)
              round++) {
             int64_t cost;
             int rc = tramprof_cal_round(interp, &cost);
-            if (rc == 2)
+            if (rc == 2) {
+                tramprof_cal_dropped++;
                 continue;
+            }
             if (rc != 0)
                 break;
             tramprof_cal_record(cost);
@@ -1202,6 +1209,8 @@ tramprof_cal_pending(void *arg)
     int rc = tramprof_cal_round(interp, &cost);
     if (rc == 0)
         tramprof_cal_record(cost);
+    else if (rc == 2)
+        tramprof_cal_dropped++;
     else if (rc < 0 && !tramprof_cal_own_error())
         return -1;  /* e.g. KeyboardInterrupt: the program's, raised where it runs */
     return 0;
@@ -1400,6 +1409,13 @@ uint64_t
 tramprof_calibration_rounds(void)
 {
     return __atomic_load_n(&tramprof_cal_rounds, __ATOMIC_RELAXED);
+}
+
+/* Measurement rounds dropped so far because the thread moved (for tests). */
+uint64_t
+tramprof_calibration_dropped(void)
+{
+    return __atomic_load_n(&tramprof_cal_dropped, __ATOMIC_RELAXED);
 }
 
 /* Stub addresses on the current thread's chain, innermost first. */

@@ -60,6 +60,7 @@ int tramprof_mode(void);
 int tramprof_after_fork_child(char *err, size_t errlen);
 int tramprof_debug_chain(uint64_t *out, int max);
 uint64_t tramprof_calibration_rounds(void);
+uint64_t tramprof_calibration_dropped(void);
 uint64_t tramprof_stub_for_code(void *code);
 int tramprof_perf_map_path(char *out, size_t outlen);
 /* CDEF END */

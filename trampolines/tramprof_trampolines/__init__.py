@@ -145,3 +145,8 @@ def _debug_chain(limit: int = 4096) -> List[int]:
 def _debug_calibration_rounds() -> int:
     """Rounds the runtime has measured its cost per call in (ABI.md section 8)."""
     return int(lib.tramprof_calibration_rounds())
+
+
+def _debug_calibration_dropped() -> int:
+    """Rounds dropped because the thread moved to another CPU during them."""
+    return int(lib.tramprof_calibration_dropped())

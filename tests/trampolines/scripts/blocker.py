@@ -57,6 +57,7 @@ def thread_outer():
 def inner():
     info["main_fs"] = fs_base()
     info["main_names"] = stack_names()
+    info["calibration"] = [t._debug_calibration_rounds(), t._debug_calibration_dropped()]
     info["stubs"] = {name: t.stub_address(fn.__code__)
                      for name, fn in (("inner", inner), ("middle", middle), ("outer", outer))}
     thread_ready.wait()

@@ -34,6 +34,7 @@ def on_alarm(signum, frame):
 
 
 rounds_at_start = runtime._debug_calibration_rounds()
+dropped_at_start = runtime._debug_calibration_dropped()
 deadline = time.monotonic() + 3.5
 while time.monotonic() < deadline:
     fib(12)
@@ -71,4 +72,5 @@ rounds_profiled = runtime._debug_calibration_rounds()
 
 print(json.dumps({"raised": raised, "caught": caught, "rounds": [
     rounds_at_start, rounds_running, rounds_with_signals, rounds_profiled],
+    "dropped_at_start": dropped_at_start,
     "profiled_names": sorted(names)}))
