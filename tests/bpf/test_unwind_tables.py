@@ -102,3 +102,22 @@ def test_code_without_unwind_information_stops_with_the_marker(built, start_targ
     assert not any("chain_b" in s for s in stacks), top(stacks)
     assert sum(stacks.values()) > 300
     assert not stats.unwind_tables.builds.get("no_usable_cfi")
+
+
+def test_a_process_whose_main_thread_exited_gets_its_tables(built, start_target):
+    """Its main thread's /proc entry opens none of its files (no root, no
+    map_files): the objects are opened through a running thread's."""
+    target = start_target(str(built / "chain_nofp"), "120", "orphan")
+    chain = ["orphan", "chain_a", "chain_b", "chain_c"]
+
+    def good(stack: tuple[str, ...]) -> bool:
+        """libc's thread start (clone3, start_thread), then exactly the chain
+        (and a kernel frame or two after it, in an interrupt)."""
+        return list(stack[2:6]) == chain and all(
+            f in ("clone3", "__clone3", "start_thread") or f.startswith("libc.so.6+0x")
+            for f in stack[:2])
+
+    stacks, _stats, mode = profile(target.pid, good)
+    assert share(stacks, good) >= 0.95, top(stacks)
+    loaded = {o.name for o in mode.objects() if o.state == "loaded"}
+    assert {"chain_nofp", "libc.so.6"} <= loaded

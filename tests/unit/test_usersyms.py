@@ -17,10 +17,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from tramprof.procfs.maps import Mapping, process_exited
+from tramprof.procfs.maps import Mapping, memory_thread, process_exited, read_maps
 from tramprof.symbols import elf as elf_module
 from tramprof.symbols import usersyms as usersyms_module
 from tramprof.symbols.elf import ElfCache, ElfSymbols
+from tramprof.symbols.safeopen import open_mapping, open_process_mapping
 from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats, read_kernel_vdso
 
 CSRC = Path(__file__).parent / "csrc"
@@ -307,6 +308,16 @@ def test_a_process_whose_main_thread_exited_is_named_through_a_running_thread(
         assert not sym.exited_unread()
         assert sym.stats.total() == 0
         assert process_exited(proc.pid) is False
+        # Its files open through that thread's entry too (unwind tables).
+        thread = memory_thread(proc.pid)
+        assert thread is not None and thread != proc.pid
+        exe = next(m for m in read_maps(thread, f"/proc/{proc.pid}/task")
+                   if m.basename == "leader_exits" and m.is_exec)
+        assert open_mapping(f"/proc/{proc.pid}", exe) is None
+        opened = open_process_mapping("/proc", proc.pid, exe)
+        assert opened is not None
+        with opened:
+            assert os.fstat(opened.fileno()).st_ino == exe.inode
     assert process_exited(proc.pid) is True
 
 

@@ -35,7 +35,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import BinaryIO, Final
 
-from tramprof.procfs.maps import Mapping
+from tramprof.procfs.maps import Mapping, memory_thread
 
 MISSING: Final = "missing"
 SYMLINK: Final = "symlink"
@@ -354,3 +354,17 @@ def open_mapping(proc: str, m: Mapping, refusals: list[str] | None = None, *,
             continue
         return f
     return None
+
+
+def open_process_mapping(proc_root: str, pid: int, m: Mapping,
+                         refusals: list[str] | None = None) -> BinaryIO | None:
+    """``open_mapping`` through ``/proc/PID`` or, when that opens nothing
+    because the main thread has exited while others run on (its entry then
+    has no root and no map_files), through a running thread's entry."""
+    f = open_mapping(f"{proc_root}/{pid}", m, refusals)
+    if f is not None:
+        return f
+    thread = memory_thread(pid, proc_root)
+    if thread is None:
+        return None
+    return open_mapping(f"{proc_root}/{pid}/task/{thread}", m, refusals)

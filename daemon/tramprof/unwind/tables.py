@@ -39,7 +39,7 @@ from tramprof.procfs.maps import Mapping
 from tramprof.sampler import layout
 from tramprof.sampler.tables import CHUNK_BYTES, PROC_BYTES, TablesFull, chunks_for
 from tramprof.symbols.elf import read_build_id, stat_key
-from tramprof.symbols.safeopen import open_mapping
+from tramprof.symbols.safeopen import open_process_mapping
 from tramprof.unwind.arenas import Arenas
 from tramprof.unwind.cfi import CfiError, UnwindTable
 from tramprof.unwind.cfibuild import build_in_child
@@ -358,7 +358,7 @@ class TableMode:
                                           now - known.evicted_at >= REBUILD_BACKOFF_SECONDS):
                 continue
             m = proc.mappings[at]
-            f = open_mapping(f"{self._proc_root}/{pid}", m)
+            f = open_process_mapping(self._proc_root, pid, m)
             if f is None:
                 self._errors["object_unreadable"] += 1
                 proc.unreadable.add(at)
