@@ -77,7 +77,7 @@ def bins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     _run("gcc", *CFLAGS, "-shared", "-fPIC", "-o", b["lib"], CSRC / "shlib.c")
     _run("gcc", *CFLAGS, "-o", b["dlopen"], CSRC / "dlopen_target.c", "-ldl")
     _run("strip", "-o", b["pie_stripped"], b["pie"])
-    _run("gcc", *CFLAGS, "-pthread", "-o", b["leader_exits"], CSRC / "leader_exits.c")
+    _run("gcc", *CFLAGS, "-pthread", "-o", b["leader_exits"], CSRC / "leader_exits.c", "-ldl")
     return b
 
 
@@ -319,6 +319,29 @@ def test_a_process_whose_main_thread_exited_is_named_through_a_running_thread(
         with opened:
             assert os.fstat(opened.fileno()).st_ino == exe.inode
     assert process_exited(proc.pid) is True
+
+
+def test_a_process_whose_threads_exit_one_after_another_is_followed(
+    bins: dict[str, Path],
+) -> None:
+    """The thread the symbolizer reads through exits, and a new one loads a
+    library: its maps and the library are found through the new thread."""
+    with running(bins["leader_exits"], bins["lib"]) as (proc, (leaf,)):
+        assert proc.stdin is not None and proc.stdout is not None
+        sym = _symbolizer(proc.pid, maps_refresh_interval=0.0)
+        assert sym.resolve(leaf) == "tramprof_unit_worker_leaf"
+        threads = [memory_thread(proc.pid)]
+        for _ in range(3):
+            proc.stdin.write("n")
+            proc.stdin.flush()
+            func = int(proc.stdout.readline(), 16)  # once the previous thread was joined
+            threads.append(memory_thread(proc.pid))
+            assert None not in threads and len(set(threads)) == len(threads), threads
+            sym.reload_maps()
+            assert sym.mapping_for(func) is not None
+            assert sym.resolve(func) == "tramprof_lib_func"
+        assert not sym.exited_unread()
+        assert sym.stats.total() == 0
 
 
 @needs_root
