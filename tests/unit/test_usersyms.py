@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from tramprof.procfs.identity import read_stat
 from tramprof.procfs.maps import Mapping, memory_thread, process_exited, read_maps
 from tramprof.symbols import elf as elf_module
 from tramprof.symbols import usersyms as usersyms_module
@@ -299,7 +300,7 @@ def test_a_process_whose_main_thread_exited_is_named_through_a_running_thread(
     entries show its maps and files. It is not a process that exited."""
     with running(bins["leader_exits"]) as (proc, (leaf,)):
         deadline = time.monotonic() + 10
-        while Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+        while not read_stat(proc.pid).leader_exited:
             assert time.monotonic() < deadline, "the main thread did not exit"
             time.sleep(0.01)
         assert Path(f"/proc/{proc.pid}/maps").read_text() == ""
