@@ -470,12 +470,131 @@ parse_maps(PyObject *self, PyObject *args)
     return mappings;
 }
 
+/*
+ * shared_answers(addresses, answers, los, his, entries, names, found, max_found,
+ *                frame_source) -> int | None
+ *
+ * Fills in place the misses of cached_answers that other processes' names
+ * answer: an address in [los[j], his[j]) (sorted, disjoint: the executable
+ * segments of file mappings this process looked up in before), whose
+ * entries[j] = (key, bias, mapped) gives the place names[(key, address +
+ * bias)] of the name found there by any process. The answer is (name,
+ * frame_source(address, mapped)), as ProcessImage._look_up gives it, and it
+ * is cached in found while found holds fewer than max_found (the rest stay
+ * misses: Python then empties the full cache as it does). Returns how many
+ * it answered; None, answering none, when any argument is not of the
+ * expected kinds (Python then looks them all up: its lookups are the
+ * reference).
+ */
+static PyObject *
+shared_answers(PyObject *self, PyObject *args)
+{
+    PyObject *addresses, *answers, *los, *his, *entries, *names, *found, *frame_source;
+    Py_ssize_t max_found;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!nO", &PyList_Type, &addresses,
+                          &PyList_Type, &answers, &PyList_Type, &los, &PyList_Type, &his,
+                          &PyList_Type, &entries, &PyDict_Type, &names, &PyDict_Type, &found,
+                          &max_found, &frame_source))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(addresses), ranges = PyList_GET_SIZE(los);
+    if (PyList_GET_SIZE(answers) != n || PyList_GET_SIZE(his) != ranges ||
+            PyList_GET_SIZE(entries) != ranges || !PyCallable_Check(frame_source))
+        Py_RETURN_NONE;
+    for (Py_ssize_t j = 0; j < ranges; j++) {
+        PyObject *entry = PyList_GET_ITEM(entries, j);
+        uint64_t bound;
+        if (as_u64(PyList_GET_ITEM(los, j), &bound) < 0 ||
+                as_u64(PyList_GET_ITEM(his, j), &bound) < 0 ||
+                !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 ||
+                !PyUnicode_CheckExact(PyTuple_GET_ITEM(entry, 0)) ||
+                !PyLong_CheckExact(PyTuple_GET_ITEM(entry, 1)))
+            Py_RETURN_NONE;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *addr = PyList_GET_ITEM(addresses, i);
+        if (!PyLong_CheckExact(addr) && !PyUnicode_CheckExact(addr))
+            Py_RETURN_NONE;
+    }
+    Py_ssize_t answered = 0;
+    for (Py_ssize_t i = 0; i < n && PyDict_GET_SIZE(found) < max_found; i++) {
+        if (PyList_GET_SIZE(addresses) != n || PyList_GET_SIZE(answers) != n ||
+                PyList_GET_SIZE(los) != ranges || PyList_GET_SIZE(his) != ranges ||
+                PyList_GET_SIZE(entries) != ranges)
+            Py_RETURN_NONE;  /* changed under a call below: Python looks up the rest */
+        PyObject *addr = PyList_GET_ITEM(addresses, i);
+        uint64_t at;
+        if (PyList_GET_ITEM(answers, i) != Py_None || as_u64(addr, &at) < 0)
+            continue;  /* answered, a marker, or not an address */
+        Py_ssize_t lo = 0, hi = ranges;
+        while (lo < hi) {  /* bisect_right over los */
+            Py_ssize_t mid = (lo + hi) / 2;
+            uint64_t start;
+            if (as_u64(PyList_GET_ITEM(los, mid), &start) < 0)
+                Py_RETURN_NONE;
+            if (at < start)
+                hi = mid;
+            else
+                lo = mid + 1;
+        }
+        uint64_t end;
+        if (lo == 0)
+            continue;
+        if (as_u64(PyList_GET_ITEM(his, lo - 1), &end) < 0)
+            Py_RETURN_NONE;
+        if (at >= end)
+            continue;
+        PyObject *entry = PyList_GET_ITEM(entries, lo - 1);
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3)
+            Py_RETURN_NONE;
+        PyObject *vaddr = PyNumber_Add(addr, PyTuple_GET_ITEM(entry, 1));
+        if (vaddr == NULL)
+            return NULL;
+        PyObject *place = PyTuple_Pack(2, PyTuple_GET_ITEM(entry, 0), vaddr);
+        Py_DECREF(vaddr);
+        if (place == NULL)
+            return NULL;
+        PyObject *name = PyDict_GetItemWithError(names, place);  /* borrowed */
+        Py_DECREF(place);
+        if (name == NULL) {
+            if (PyErr_Occurred())
+                return NULL;
+            continue;
+        }
+        if (!PyUnicode_CheckExact(name))
+            continue;
+        /* The call below runs Python code (a NamedTuple's __new__): what is
+         * borrowed from the lists is held through it. */
+        Py_INCREF(name);
+        Py_INCREF(addr);
+        Py_INCREF(entry);
+        PyObject *source = PyObject_CallFunctionObjArgs(frame_source, addr,
+                                                        PyTuple_GET_ITEM(entry, 2), NULL);
+        PyObject *answer = source == NULL ? NULL : PyTuple_Pack(2, name, source);
+        Py_XDECREF(source);
+        Py_DECREF(name);
+        Py_DECREF(entry);
+        int failed = answer == NULL || PyDict_SetItem(found, addr, answer) < 0;
+        Py_DECREF(addr);
+        if (failed) {
+            Py_XDECREF(answer);
+            return NULL;
+        }
+        if (PyList_SetItem(answers, i, answer) < 0)  /* steals answer, drops the None */
+            return NULL;
+        answered++;
+    }
+    return PyLong_FromSsize_t(answered);
+}
+
 static PyMethodDef methods[] = {
     {"merge_trampolines", merge_trampolines, METH_VARARGS,
      "A sample's lookup addresses with its trampoline frames merged in (None: not the "
      "ordinary case)."},
     {"cached_answers", cached_answers, METH_VARARGS,
      "Each address's cached answer, the JIT cache's hits, the first miss."},
+    {"shared_answers", shared_answers, METH_VARARGS,
+     "Fills the misses that names found by other processes answer; how many (None: odd "
+     "arguments)."},
     {"split_pairs", split_pairs, METH_O,
      "A list of pairs as the list of their firsts and the list of their seconds."},
     {"parse_maps", parse_maps, METH_VARARGS,

@@ -106,6 +106,37 @@ def test_cache_passes_take_ints_and_markers_only() -> None:
     assert _speedups.split_pairs([("f", None), ("g",)]) is None
 
 
+@needs_speedups
+def test_the_shared_pass_takes_its_segments_and_leaves_the_rest() -> None:
+    """Misses in a segment whose place has a name are answered and cached;
+    markers, answered frames, addresses outside the segments or without a
+    name are left; a full cache takes nothing; odd arguments answer none."""
+    names = {("obj", 0x1010): "f", ("obj", 0x1020): "g"}
+    los, his = [BASE + 0x1000, BASE + 0x9000], [BASE + 0x2000, BASE + 0x9100]
+    entries = [("obj", 0x1000 - BASE - 0x1000, "lib"), ("other", 0, "lib2")]
+    stack = [BASE + 0x1010, NATIVE_GAP, BASE + 0x1020, BASE + 0x1030, BASE + 0x2010, 5]
+    answers: list[object] = [None, None, ("h", None), None, None, None]
+    found: dict[int, object] = {}
+    assert _speedups.shared_answers(stack, answers, los, his, entries, names, found, 10,
+                                    FrameSource) == 1
+    first = ("f", FrameSource(BASE + 0x1010, "lib"))  # type: ignore[arg-type]
+    assert answers == [first, None, ("h", None), None, None, None]
+    assert found == {BASE + 0x1010: first}
+    answers[0] = None
+    assert _speedups.shared_answers(stack, answers, los, his, entries, names, found, 1,
+                                    FrameSource) == 0  # full: Python empties it
+    for odd in ([*los[:1], 1.5], [BASE], [BASE + 0x1000, -1]):
+        assert _speedups.shared_answers(stack, answers, odd, his, entries, names, found, 10,
+                                        FrameSource) is None
+    for odd_entries in ([("obj", 1), entries[1]], [("obj", 1.0, "lib"), entries[1]],
+                        [(b"obj", 1, "lib"), entries[1]]):
+        assert _speedups.shared_answers(stack, answers, los, his, odd_entries, names, found,
+                                        10, FrameSource) is None
+    assert _speedups.shared_answers([*stack[:5], 5.0], answers, los, his, entries, names,
+                                    found, 10, FrameSource) is None
+    assert answers[0] is None
+
+
 answer = st.tuples(st.sampled_from(["f", "g", "[anon]"]),
                    st.builds(FrameSource, st.integers(0, 1 << 20)))
 
@@ -136,6 +167,7 @@ def test_no_reference_is_kept_past_a_call() -> None:
     starts, ends = ARENAS.search_lists
     found = {BASE + 0x1000 + 16 * i - 1: ("f", FrameSource(i)) for i in range(60)}
     jit_found = {BASE + 0x10000 + 64 * i: ("py", FrameSource(i)) for i in range(20)}
+    shared = {("obj", BASE + 0x1000 + 16 * i - 1): "s" for i in range(30)}
 
     def calls() -> None:
         for _ in range(10_000):
@@ -143,6 +175,9 @@ def test_no_reference_is_kept_past_a_call() -> None:
                                                  NATIVE_GAP)
             assert merged is not None
             _speedups.cached_answers(merged, found, jit_found)
+            answers: list[object] = [None] * len(merged)
+            _speedups.shared_answers(merged, answers, [BASE], [BASE + 0x1000 + 16 * 30],
+                                     [("obj", 0, "lib")], shared, {}, 1 << 20, FrameSource)
             _speedups.merge_trampolines(ips, (*sps[:-1], 0), tramps, starts, ends, True,
                                         NATIVE_GAP)
 

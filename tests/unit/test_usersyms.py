@@ -17,13 +17,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from tramprof.model import NATIVE_GAP
 from tramprof.procfs.identity import read_stat
 from tramprof.procfs.maps import Mapping, memory_thread, process_exited, read_maps
 from tramprof.symbols import elf as elf_module
 from tramprof.symbols import usersyms as usersyms_module
 from tramprof.symbols.elf import ElfCache, ElfSymbols
+from tramprof.symbols.images import ProcessImage
 from tramprof.symbols.safeopen import open_mapping, open_process_mapping
 from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats, read_kernel_vdso
+
+from .compiled import needs_speedups
 
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O2", "-fno-omit-frame-pointer"]
@@ -208,6 +212,53 @@ def test_a_shared_name_is_found_without_a_search(
             assert second.shared_lookup(past) is None
         second.reload_maps()
         assert second.shared_lookup(leaf2) is None
+    assert stats.total() == 0
+
+
+@needs_speedups
+def test_the_compiled_pass_names_from_other_processes_as_lookup_does(
+        bins: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stack of a second process, named through the compiled pass, gets
+    the names the first process found without a search, with the places,
+    cache entries and "looked up" answer that the Python lookups give the
+    same stack; an address nobody named yet is searched once, then shared."""
+    cache, stats = ElfCache(), SymbolizationStats()
+    with running(bins["pie"]) as (p1, (leaf1, _)), \
+            running(bins["pie"]) as (p2, (leaf2, static2)):
+        assert ProcessSymbolizer(p1.pid, cache, stats).resolve(leaf1) == "tramprof_unit_leaf"
+
+        def image() -> ProcessImage:
+            made = ProcessImage(symbolizer=ProcessSymbolizer(p2.pid, cache, stats))
+            assert made.lookup(static2 + 1)[0] == "tramprof_unit_static"  # a direct segment
+            return made
+
+        compiled, python = image(), image()
+        stack = [leaf2, NATIVE_GAP, leaf2, static2 + 1]
+        searches: list[int] = []
+        search = ElfSymbols.file_offset_to_vaddr
+
+        def counted(self: ElfSymbols, offset: int) -> int | None:
+            searches.append(offset)
+            return search(self, offset)
+
+        def asked(self: ProcessSymbolizer, addr: int) -> None:
+            raise AssertionError("asked the symbolizer")
+
+        monkeypatch.setattr(ElfSymbols, "file_offset_to_vaddr", counted)
+        with monkeypatch.context() as patched:  # the compiled pass alone answers
+            patched.setattr(ProcessSymbolizer, "shared_lookup", asked)
+            patched.setattr(ProcessSymbolizer, "lookup", asked)
+            names, sources, cached = compiled.name_frames_cached(stack)
+        assert names == ["tramprof_unit_leaf", NATIVE_GAP, "tramprof_unit_leaf",
+                         "tramprof_unit_static"]
+        assert cached is None  # looked up past the image's own caches
+        assert (names, sources, cached) == python.name_frames_cached(tuple(stack))
+        assert compiled.found == python.found
+        assert compiled.name_frames_cached(stack) == (names, sources, 0)  # now its own
+        unnamed = [leaf2 + 3, leaf2]
+        assert searches == []
+        assert compiled.name_frames_cached(unnamed) == python.name_frames_cached(tuple(unnamed))
+        assert len(searches) == 1  # leaf2 + 3 by the first image; the second finds its name
     assert stats.total() == 0
 
 

@@ -590,6 +590,12 @@ class ElfCache:
         key = obj.cache_key
         return self.shared_name_at(key, vaddr) if key is not None else None
 
+    @property
+    def shared_names(self) -> dict[tuple[str, int], str]:
+        """The names ``share_name`` kept, by (object key, vaddr); only read
+        through this (a full store is emptied in place, never replaced)."""
+        return self._names
+
     def shared_name_at(self, key: str, vaddr: int) -> str | None:
         """``shared_name`` by the object's ``cache_key``."""
         return self._names.get((key, vaddr))

@@ -103,6 +103,9 @@ class ProcessImage:
     mapped_files: dict[Mapping, MappedFile] = field(default_factory=dict)
     #: When a drain last named stacks with this image (monotonic seconds).
     last_used: float = 0.0
+    # The symbolizer's direct segments as the compiled shared-name pass
+    # takes them, for its direct_generation (None: to be made again).
+    _shared_segments: _SharedSegments | None = None
 
     def cached_addresses(self) -> int:
         """Addresses whose names and places are cached."""
@@ -113,7 +116,12 @@ class ProcessImage:
         self.found.clear()
         self.jit_found.clear()
         self.jit_places.clear()
+        self._forget_mapped_files()
+
+    def _forget_mapped_files(self) -> None:
+        """Forget the mappings' files (and what shares them: the segments)."""
         self.mapped_files.clear()
+        self._shared_segments = None
 
     def _validate_caches(self) -> ProcessSymbolizer | None:
         """Empty the caches whose answers may be void now; the symbolizer."""
@@ -124,7 +132,7 @@ class ProcessImage:
             # A file mapping went away: what was found by address is void.
             self._files_key = symbolizer.files_generation
             self.found.clear()
-            self.mapped_files.clear()
+            self._forget_mapped_files()
         key = self._current_jit_key(symbolizer)
         if key != self._jit_key:
             self._jit_key = key
@@ -159,6 +167,10 @@ class ProcessImage:
             passed = compiled.cached_answers(addresses, self.found, self.jit_found)
         found, jit_hits, at = self._cached_answers(addresses) if passed is None else passed
         looked_up = False
+        if at >= 0 and passed is not None and symbolizer is not None and \
+                self._shared_answers(symbolizer, cast("list[int | str]", addresses), found):
+            looked_up = True  # as by _look_up: the stack is not kept whole
+            at = found.index(None, at) if None in found else -1
         if at >= 0:
             while True:
                 addr = addresses[at]
@@ -242,6 +254,31 @@ class ProcessImage:
             return answer
         return self._look_up(symbolizer, addr)
 
+    def _mapped_file(self, symbolizer: ProcessSymbolizer, mapping: Mapping) -> MappedFile:
+        """The file of ``mapping`` as frames' places show it (one object a mapping)."""
+        mapped = self.mapped_files.get(mapping)
+        if mapped is None:
+            mapped = self.mapped_files[mapping] = MappedFile(
+                mapping.display_path, mapping.start, mapping.end, mapping.offset,
+                symbolizer.build_id_of(mapping))
+        return mapped
+
+    def _shared_answers(self, symbolizer: ProcessSymbolizer, addresses: list[int | str],
+                        found: list[_Named | None]) -> int:
+        """The compiled ``shared_lookup`` of the misses in ``found``, filled
+        in place and cached as ``_look_up`` caches them: how many it answered
+        (0 also when it took none: ``_look_up`` then finds them)."""
+        compiled = speedups.compiled
+        segments = self._shared_segments
+        if segments is None or segments.generation != symbolizer.direct_generation:
+            segments = self._shared_segments = _SharedSegments.of(self, symbolizer)
+        if compiled is None or not segments.los:
+            return 0
+        answered = compiled.shared_answers(
+            addresses, found, segments.los, segments.his, segments.entries,
+            symbolizer.shared_names, self.found, MAX_CACHED_ADDRESSES, FrameSource)
+        return answered or 0
+
     def _look_up(self, symbolizer: ProcessSymbolizer, addr: int
                  ) -> tuple[str, FrameSource | None]:
         """``lookup`` past the caches: found by the symbolizer, then cached
@@ -269,16 +306,30 @@ class ProcessImage:
                 elif mapping.is_exec:
                     _remember(self.jit_places, addr, source)
             return name, source
-        mapped = self.mapped_files.get(mapping)
-        if mapped is None:
-            mapped = self.mapped_files[mapping] = MappedFile(
-                mapping.display_path, mapping.start, mapping.end, mapping.offset,
-                symbolizer.build_id_of(mapping))
-        source = FrameSource(addr, mapped)
+        source = FrameSource(addr, self._mapped_file(symbolizer, mapping))
         if mapping.is_exec and not _remember(self.found, addr, (name, source)):
             # Emptying a full cache also forgets the mappings the old places shared.
-            self.mapped_files.clear()
+            self._forget_mapped_files()
         return name, source
+
+
+@dataclass(slots=True)
+class _SharedSegments:
+    """A symbolizer's direct segments as ``_speedups.shared_answers`` takes
+    them: starts, ends, and each one's (key, bias, mapped file)."""
+
+    generation: int  # the symbolizer's direct_generation they were made at
+    los: list[int]
+    his: list[int]
+    entries: list[tuple[str, int, MappedFile]]
+
+    @classmethod
+    def of(cls, image: ProcessImage, symbolizer: ProcessSymbolizer) -> _SharedSegments:
+        segments = symbolizer.direct_segments()
+        return cls(symbolizer.direct_generation, [s.lo for s in segments],
+                   [s.hi for s in segments],
+                   [(s.key, s.bias, image._mapped_file(symbolizer, s.mapping))
+                    for s in segments])
 
 
 @dataclass

@@ -128,6 +128,17 @@ class SymbolizationStats:
 _ObjectState = ElfSymbols | FailureReason
 
 
+class DirectSegment(NamedTuple):
+    """Addresses [lo, hi) of one executable file mapping whose names are
+    found at (key, address + bias) of the shared names (``shared_lookup``)."""
+
+    lo: int
+    hi: int
+    mapping: Mapping
+    key: str  # the object's ``ElfSymbols.cache_key``
+    bias: int  # from an address to the object's vaddr
+
+
 def _executable(mappings: list[Mapping]) -> list[Mapping]:
     return [m for m in mappings if m.is_exec]
 
@@ -193,6 +204,8 @@ class ProcessSymbolizer:
         # executable segment and the bias from those to the object's vaddrs
         # (``shared_lookup``). Emptied when the maps are read again.
         self._direct: dict[int, tuple[Mapping, str, int, int, int]] = {}
+        #: Changes whenever ``_direct`` does (``direct_segments``).
+        self.direct_generation = 0
 
     # -- maps -------------------------------------------------------------
 
@@ -266,6 +279,7 @@ class ProcessSymbolizer:
         self._mappings = mappings
         self._starts = [m.start for m in mappings]
         self._direct = {}
+        self.direct_generation += 1
 
     def preload(self) -> None:
         """Read the maps and open every mapped executable now, while the
@@ -373,6 +387,19 @@ class ProcessSymbolizer:
         name = self._cache.shared_name_at(direct[1], addr + direct[4])
         return None if name is None else (name, m)
 
+    def direct_segments(self) -> list[DirectSegment]:
+        """What ``shared_lookup`` answers from, sorted by address: the
+        executable segments of the file mappings looked up in before
+        (``direct_generation`` says when this changes)."""
+        return sorted(DirectSegment(lo, hi, m, key, bias)
+                      for m, key, lo, hi, bias in self._direct.values())
+
+    @property
+    def shared_names(self) -> dict[tuple[str, int], str]:
+        """Names any process found, by (object key, vaddr): ``shared_lookup``
+        reads a segment's place in it (only the ``ElfCache`` writes it)."""
+        return self._cache.shared_names
+
     def _resolve_file(self, m: Mapping, addr: int) -> str:
         obj = self._objects.get(m)
         if obj is None:
@@ -388,6 +415,7 @@ class ProcessSymbolizer:
                 self._direct[m.start] = (
                     m, obj.cache_key, max(m.start, m.start + first - m.offset),
                     min(m.end, m.start + end - m.offset), m.offset - m.start + bias)
+                self.direct_generation += 1
         vaddr = obj.file_offset_to_vaddr(file_offset)
         if vaddr is None:
             self.stats.incr(FailureReason.NO_SYMBOL)
