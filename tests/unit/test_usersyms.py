@@ -259,6 +259,21 @@ def test_the_compiled_pass_names_from_other_processes_as_lookup_does(
         assert searches == []
         assert compiled.name_frames_cached(unnamed) == python.name_frames_cached(tuple(unnamed))
         assert len(searches) == 1  # leaf2 + 3 by the first image; the second finds its name
+
+        # A new image's first stack: its first lookup makes the segment, and
+        # the compiled pass names the rest of the stack from there.
+        fresh = ProcessImage(symbolizer=ProcessSymbolizer(p2.pid, cache, stats))
+        asked_for: list[int] = []
+        shared_lookup = ProcessSymbolizer.shared_lookup
+
+        def recorded(self: ProcessSymbolizer, addr: int) -> tuple[str, Mapping] | None:
+            asked_for.append(addr)
+            return shared_lookup(self, addr)
+
+        monkeypatch.setattr(ProcessSymbolizer, "shared_lookup", recorded)
+        stack = [static2 + 1, leaf2, NATIVE_GAP, leaf2 + 3]
+        assert fresh.name_frames_cached(stack)[:2] == python.name_frames_cached(tuple(stack))[:2]
+        assert asked_for == [static2 + 1]
     assert stats.total() == 0
 
 

@@ -172,6 +172,7 @@ class ProcessImage:
             looked_up = True  # as by _look_up: the stack is not kept whole
             at = found.index(None, at) if None in found else -1
         if at >= 0:
+            segments = -1 if symbolizer is None else symbolizer.direct_generation
             while True:
                 addr = addresses[at]
                 answer = None if isinstance(addr, str) else self.jit_found.get(addr)
@@ -184,6 +185,12 @@ class ProcessImage:
                     found[at], looked_up = (UNKNOWN, None), True
                 else:
                     found[at], looked_up = self._look_up(symbolizer, addr), True
+                    if passed is not None and symbolizer.direct_generation != segments:
+                        # A first lookup in a mapping (a new process's first
+                        # stack): the rest of the stack may be named there.
+                        segments = symbolizer.direct_generation
+                        self._shared_answers(symbolizer, cast("list[int | str]", addresses),
+                                             found)
                 try:
                     at = found.index(None, at + 1)
                 except ValueError:
