@@ -215,6 +215,24 @@ def test_a_shared_name_is_found_without_a_search(
     assert stats.total() == 0
 
 
+def test_a_warmed_process_names_from_others_before_its_first_lookup(
+        bins: dict[str, Path]) -> None:
+    """A process whose object another process parsed already answers the
+    names found there from its preload on (a short-lived process is sampled
+    once or twice: its first stack is the one that matters)."""
+    cache, stats = ElfCache(), SymbolizationStats()
+    with running(bins["pie"]) as (p1, (leaf1, _)), \
+            running(bins["pie"]) as (p2, (leaf2, static2)):
+        assert ProcessSymbolizer(p1.pid, cache, stats).resolve(leaf1) == "tramprof_unit_leaf"
+        second = ProcessSymbolizer(p2.pid, cache, stats)
+        second.preload()
+        shared = second.shared_lookup(leaf2)
+        assert shared is not None and shared == second.lookup(leaf2)
+        assert shared[0] == "tramprof_unit_leaf"
+        assert second.shared_lookup(static2 + 1) is None  # nobody named it yet
+    assert stats.total() == 0
+
+
 @needs_speedups
 def test_the_compiled_pass_names_from_other_processes_as_lookup_does(
         bins: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

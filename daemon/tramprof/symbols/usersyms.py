@@ -306,7 +306,10 @@ class ProcessSymbolizer:
                         continue
                     held = self._cache.hold(opened)
                 if isinstance(held, ElfSymbols):
+                    # Parsed for another process: its names found there
+                    # answer this one's first stack already.
                     self._objects[m] = held
+                    self._note_segment(m, held)
                 else:
                     self._held[m] = held
             elif m.is_vdso:
@@ -400,14 +403,8 @@ class ProcessSymbolizer:
         reads a segment's place in it (only the ``ElfCache`` writes it)."""
         return self._cache.shared_names
 
-    def _resolve_file(self, m: Mapping, addr: int) -> str:
-        obj = self._objects.get(m)
-        if obj is None:
-            obj = self._objects[m] = self._load_object(m)
-        file_offset = addr - m.start + m.offset
-        if isinstance(obj, FailureReason):
-            self.stats.incr(obj)
-            return f"{m.basename}+0x{file_offset:x}"
+    def _note_segment(self, m: Mapping, obj: ElfSymbols) -> None:
+        """Let ``shared_lookup`` answer in ``m`` from now on."""
         if m.start not in self._direct and obj.cache_key is not None:
             span = obj.executable_span(m.offset)
             if span is not None:
@@ -416,6 +413,16 @@ class ProcessSymbolizer:
                     m, obj.cache_key, max(m.start, m.start + first - m.offset),
                     min(m.end, m.start + end - m.offset), m.offset - m.start + bias)
                 self.direct_generation += 1
+
+    def _resolve_file(self, m: Mapping, addr: int) -> str:
+        obj = self._objects.get(m)
+        if obj is None:
+            obj = self._objects[m] = self._load_object(m)
+        file_offset = addr - m.start + m.offset
+        if isinstance(obj, FailureReason):
+            self.stats.incr(obj)
+            return f"{m.basename}+0x{file_offset:x}"
+        self._note_segment(m, obj)
         vaddr = obj.file_offset_to_vaddr(file_offset)
         if vaddr is None:
             self.stats.incr(FailureReason.NO_SYMBOL)
