@@ -30,10 +30,13 @@ the drain ran rather than waited for a CPU; read from whole ``/metrics`` scrapes
 ``--scrape-interval`` seconds, as the shipped Prometheus configuration scrapes,
 and nothing else asks the daemon for anything in the window), RSS (steady
 VmRSS at the window's end and how fast it grew over the window, peak
-VmHWM), whole-heap collections of the garbage collector in the window (one
-adds ~0.4 s of CPU: the first comes 5 minutes after start, later ones more
-and more rarely, so the CPU is also shown without them); then full
-``/metrics`` scrape latency (OpenMetrics and gzip, as Prometheus asks) and
+VmHWM; with the addresses the symbol caches hold and their growth: they
+grow up to their bound while programs keep meeting new return addresses,
+so a steady RSS read before may not be where the daemon settles),
+whole-heap collections of the garbage collector in the window (one adds
+~0.4 s of CPU: the first comes 5 minutes after start, later ones more and
+more rarely, so the CPU is also shown without them); then full ``/metrics``
+scrape latency (OpenMetrics and gzip, as Prometheus asks) and
 the distinct folded stacks of single drained windows.
 
 Every worker runs in one process group that is killed on exit, failure or
@@ -93,6 +96,8 @@ HEAP_COLLECTIONS = ("tramprof_heap_full_collections_total",
 TABLE_BUILDS = "tramprof_unwind_table_builds_total"
 #: The main thread's CPU seconds by stage (MAIN_THREAD_STAGES).
 STAGE_CPU = "tramprof_main_thread_cpu_seconds_total"
+#: Addresses the symbol caches hold (Result.address_cache).
+ADDRESS_CACHE = "tramprof_address_cache_entries"
 TARGETS = {99: {"cpu": 1.0, "drain_ms": 200.0, "rss_mib": 150.0}}
 FUNCTIONS = 300
 PERIOD_S = 0.25
@@ -337,6 +342,11 @@ class Result:
     rss_peak: float = 0.0
     rss_steady: float = 0.0
     rss_growth: float = 0.0  # MiB a minute over the window
+    # Addresses the symbol caches hold at the window's end, and their growth
+    # a minute over it (None: the build does not tell). They grow up to
+    # symbols.images.MAX_CACHED_ADDRESSES_TOTAL: a steady RSS read while
+    # they still grow may not be where the daemon settles.
+    address_cache: tuple[float, float] | None = None
     scrape_ms: list[float] = field(default_factory=list)
     scrape_bytes: int = 0
     # /profile of the last minute before the window, by format: (ms, bytes)
@@ -460,7 +470,7 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     for daemon in daemons:
         next_drain(daemon)
     before = [daemon.metrics("tramprof_perf_events_total", "tramprof_stacks_named_total",
-                             *HEAP_COLLECTIONS, TABLE_BUILDS, STAGE_CPU)
+                             *HEAP_COLLECTIONS, TABLE_BUILDS, STAGE_CPU, ADDRESS_CACHE)
               for daemon in daemons]
     # drains done -> the last one's (wall, CPU) seconds; CPU None from a
     # build that does not export it
@@ -523,6 +533,9 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
     result.drains_ms = [wall * 1e3 for wall, _cpu in measured]
     result.drains_cpu_ms = [cpu * 1e3 for _wall, cpu in measured if cpu is not None]
     result.rss_growth = (result.rss_steady - rss0) / seconds * 60
+    if (ADDRESS_CACHE, ()) in after and (ADDRESS_CACHE, ()) in before:
+        cached = after[(ADDRESS_CACHE, ())]
+        result.address_cache = (cached, (cached - before[(ADDRESS_CACHE, ())]) / seconds * 60)
     events = {dict(k[1]).get("outcome"): v for k, v in after.items()
               if k[0] == "tramprof_perf_events_total"}
     old = {dict(k[1]).get("outcome"): v for k, v in before.items()}
@@ -683,6 +696,9 @@ def report(results: list[Result]) -> None:
         if r99 else "")
     row("RSS peak (VmHWM) MiB", [f"{r.rss_peak:.1f}" for r in results])
     row("RSS growth in window MiB/min", [f"{r.rss_growth:+.1f}" for r in results])
+    row("address cache entries, end / a min", [
+        "n/a" if r.address_cache is None
+        else f"{r.address_cache[0]:.0f} / {r.address_cache[1]:+.0f}" for r in results])
     row("/metrics ms p50 / p99 (OM, gzip)", [f"{median(r.scrape_ms):.1f} / "
                                              f"{percentile(r.scrape_ms, 0.99):.1f}"
                                              for r in results])

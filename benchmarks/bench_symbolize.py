@@ -14,11 +14,14 @@ own path (``ProcessImage.name_frames``, a new image per process):
   found already by the first (``ElfCache``'s shared names), looked up
   through ``lookup`` as before ``shared_lookup`` existed;
 * ``shared, direct``: the same with ``shared_lookup``: no search of the
-  object's segments, one addition;
+  object's segments, one addition (in Python: the compiled part off);
+* ``shared, compiled``: the same through the compiled pass
+  (``_speedups.shared_answers``), as the daemon names them when its
+  compiled part is built;
 * ``cached``: the same process again (its per-address cache).
 
 Reported: CPU time per frame (``time.process_time``, least of ``--rounds``
-rounds, the passes side by side in each round) and the ratio of the two
+rounds, the passes side by side in each round) and the ratios of the
 shared passes.
 
     .venv/bin/python benchmarks/bench_symbolize.py [--processes 6] [--frames 4000]
@@ -36,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import has_function_name, new_image, sleepers
+from tramprof import speedups
 from tramprof.symbols import usersyms
 from tramprof.symbols.images import ProcessImage, ProcessRegistry
 
@@ -66,7 +70,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     rng = random.Random(1)
-    passes = ("cold", "shared, searched", "shared, direct", "cached")
+    passes = ("cold", "shared, searched", "shared, direct", "shared, compiled", "cached")
+    if speedups.compiled is None:
+        parser.error("the compiled part (tramprof._speedups) is not built")
+    if args.processes < 4:
+        parser.error("--processes: at least 4 (one cold, one for each shared pass)")
+    compiled = speedups.compiled
     best = dict.fromkeys(passes, float("inf"))
     with sleepers(args.processes * args.rounds + 1) as procs:
         registry = ProcessRegistry()
@@ -97,25 +106,28 @@ def main(argv: list[str]) -> int:
             frames = len(addrs)
             best["cold"] = min(best["cold"], per_frame(cold.name_frames, addrs))
             for index, proc in enumerate(group[1:]):
-                searched = index % 2 == 0
-                if searched:
+                label = passes[1 + index % 3]
+                if label == "shared, searched":
                     usersyms.ProcessSymbolizer.shared_lookup = (  # type: ignore[method-assign]
                         lambda self, addr: None)
+                if label != "shared, compiled":
+                    speedups.compiled = None  # type: ignore[assignment]
                 try:
                     image = new_image(registry, proc.pid)
-                    label = "shared, searched" if searched else "shared, direct"
                     addrs = addresses_of(image, offsets)
                     best[label] = min(best[label], per_frame(image.name_frames, addrs))
                 finally:
                     usersyms.ProcessSymbolizer.shared_lookup = (  # type: ignore[method-assign]
                         real_shared_lookup)
+                    speedups.compiled = compiled
             best["cached"] = min(best["cached"], per_frame(image.name_frames, addrs))
     print(f"{args.processes} processes of /usr/bin/python3 per round, {frames} frames each "
           f"over {len(offsets)} files; CPU per frame, least of {args.rounds} rounds:")
     for label in passes:
         print(f"  {label:18} {best[label] * 1e6:7.2f} us")
     print(f"  shared: direct / searched = "
-          f"{best['shared, direct'] / best['shared, searched']:.2f}")
+          f"{best['shared, direct'] / best['shared, searched']:.2f}, "
+          f"compiled / direct = {best['shared, compiled'] / best['shared, direct']:.2f}")
     return 0
 
 
