@@ -1,5 +1,6 @@
 /*
- * The two per-frame passes of naming a drained stack, and the parse of a
+ * The per-frame passes of naming a drained stack (merging trampoline frames,
+ * the cache lookups, names other processes found), and the parse of a
  * process's maps (at the bottom), in C.
  *
  * A busy node drains ~1,000 distinct stacks of up to ~160 frames every
