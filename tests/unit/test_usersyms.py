@@ -215,6 +215,7 @@ def test_a_shared_name_is_found_without_a_search(
     assert stats.total() == 0
 
 
+@needs_root
 def test_a_warmed_process_names_from_others_before_its_first_lookup(
         bins: dict[str, Path]) -> None:
     """A process whose object another process parsed already answers the
