@@ -199,11 +199,10 @@ class ProcessSymbolizer:
         self._debug_tables: dict[Mapping, DebugTable | None] = {}
         # Files opened by preload() and not parsed yet (shared: ElfCache.hold).
         self._held: dict[Mapping, BinaryIO] = {}
-        # Executable file mappings resolved before, by start: the mapping,
-        # its object's key in the shared names, the addresses in it of one
-        # executable segment and the bias from those to the object's vaddrs
+        # The segment of each executable file mapping looked up in before
+        # (or whose object another process parsed), by the mapping's start
         # (``shared_lookup``). Emptied when the maps are read again.
-        self._direct: dict[int, tuple[Mapping, str, int, int, int]] = {}
+        self._direct: dict[int, DirectSegment] = {}
         #: Changes whenever ``_direct`` does (``direct_segments``).
         self.direct_generation = 0
 
@@ -385,17 +384,16 @@ class ProcessSymbolizer:
         if m is None:
             return None
         direct = self._direct.get(m.start)
-        if direct is None or direct[0] is not m or not direct[2] <= addr < direct[3]:
+        if direct is None or direct.mapping is not m or not direct.lo <= addr < direct.hi:
             return None
-        name = self._cache.shared_name_at(direct[1], addr + direct[4])
+        name = self._cache.shared_name_at(direct.key, addr + direct.bias)
         return None if name is None else (name, m)
 
     def direct_segments(self) -> list[DirectSegment]:
         """What ``shared_lookup`` answers from, sorted by address: the
         executable segments of the file mappings looked up in before
         (``direct_generation`` says when this changes)."""
-        return sorted(DirectSegment(lo, hi, m, key, bias)
-                      for m, key, lo, hi, bias in self._direct.values())
+        return sorted(self._direct.values())
 
     @property
     def shared_names(self) -> dict[tuple[str, int], str]:
@@ -409,9 +407,10 @@ class ProcessSymbolizer:
             span = obj.executable_span(m.offset)
             if span is not None:
                 first, end, bias = span
-                self._direct[m.start] = (
-                    m, obj.cache_key, max(m.start, m.start + first - m.offset),
-                    min(m.end, m.start + end - m.offset), m.offset - m.start + bias)
+                self._direct[m.start] = DirectSegment(
+                    max(m.start, m.start + first - m.offset),
+                    min(m.end, m.start + end - m.offset), m, obj.cache_key,
+                    m.offset - m.start + bias)
                 self.direct_generation += 1
 
     def _resolve_file(self, m: Mapping, addr: int) -> str:
