@@ -344,8 +344,8 @@ class Result:
     rss_growth: float = 0.0  # MiB a minute over the window
     # Addresses the symbol caches hold at the window's end, and their growth
     # a minute over it (None: the build does not tell). They grow up to
-    # symbols.images.MAX_CACHED_ADDRESSES_TOTAL: a steady RSS read while
-    # they still grow may not be where the daemon settles.
+    # address_cache_bytes: a steady RSS read while they still grow may not
+    # be where the daemon settles.
     address_cache: tuple[float, float] | None = None
     scrape_ms: list[float] = field(default_factory=list)
     scrape_bytes: int = 0

@@ -120,6 +120,13 @@ class Config:
     # indexes are dropped (their JIT frames stay unnamed for ten minutes):
     # tramprof_symbol_memory_bytes and tramprof_symbol_evictions_total show it.
     symbol_memory_bytes: int = 128 << 20
+    # Memory for the names and places of frames remembered by address, all
+    # processes together, in bytes (1 MiB..64 GiB; estimated at ~220 bytes an
+    # address). Past it, the least recently sampled processes' caches are
+    # emptied and their frames looked up again as they are sampled:
+    # tramprof_address_cache_entries and tramprof_address_cache_evictions_total
+    # show it.
+    address_cache_bytes: int = 32 << 20
     # Kernel memory for unwind tables of native code without frame pointers
     # (rows compiled from .eh_frame, loaded for objects seen in samples and
     # evicted least recently sampled first); 0 turns the tables off.
@@ -268,6 +275,7 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "max_series": _range(10, 10_000_000),
     "max_process_series": _range(10, 1_000_000),
     "symbol_memory_bytes": _range(1 << 20, 1 << 36, " (bytes)"),
+    "address_cache_bytes": _range(1 << 20, 1 << 36, " (bytes)"),
     "python_overhead_budget": _range(0, 1),
     "program_cache_dir": lambda v: "" if v == "" or (v.startswith("/") and "\0" not in v)
     else 'must be an absolute path, or "" to compile at every start',

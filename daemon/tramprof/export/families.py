@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tramprof.symbols.images import MAX_CACHED_ADDRESSES_TOTAL
-
 
 @dataclass(frozen=True)
 class Family:
@@ -153,9 +151,9 @@ PROFILE_STORE_SECONDS = Family(
     "when profile_store_bytes is reached first (very many distinct stacks).")
 ADDRESS_CACHE = Family(
     "tramprof_address_cache_entries", "gauge", (),
-    "Addresses whose frame names and places are cached, all processes together (~200 bytes "
-    f"each); kept within {MAX_CACHED_ADDRESSES_TOTAL:,} by emptying the caches of the least "
-    "recently sampled processes.")
+    "Addresses whose frame names and places are cached, all processes together; kept within "
+    "address_cache_bytes (~220 bytes an address) by emptying the caches of the least recently "
+    "sampled processes.")
 ADDRESS_CACHE_EVICTIONS = Family(
     "tramprof_address_cache_evictions", "counter", (),
     "Processes whose address caches were emptied to keep all within their bound; their "

@@ -45,11 +45,10 @@ log = logging.getLogger(__name__)
 # Distinct addresses remembered per process image; bounds memory for
 # processes with huge, ever-changing JIT code.
 MAX_CACHED_ADDRESSES = 65536
-#: Distinct addresses remembered by all process images together (~200 bytes
-#: each with their names' and places' share: ~50 MiB). Past it, the caches of
-#: the least recently sampled images are emptied: a long-lived node keeps
-#: meeting new addresses in processes that live for weeks.
-MAX_CACHED_ADDRESSES_TOTAL = 1 << 18
+#: Memory of one cached address, as ``address_cache_bytes`` counts it: its
+#: key, dictionary slot, answer and place (measured: ~215 bytes for file
+#: code, less for unnamed JIT code); names and mapped files are shared.
+CACHED_ADDRESS_BYTES = 220
 # Exec generations kept per process (a process that execs in a loop).
 MAX_IMAGES = 2
 
@@ -526,11 +525,13 @@ class ProcessRegistry:
         self.jit_memory_bytes = total
         return total
 
-    def bound_address_caches(self, max_addresses: int = MAX_CACHED_ADDRESSES_TOTAL) -> int:
+    def bound_address_caches(self, max_addresses: int) -> int:
         """Keep the address caches of all process images within
-        ``max_addresses`` together: past it, empty those of the least recently
-        sampled images until a quarter of the room is free again (not a few
-        addresses at every drain). Returns the addresses cached after."""
+        ``max_addresses`` together (``address_cache_bytes``: a long-lived
+        node keeps meeting new addresses in processes that live for weeks):
+        past it, empty those of the least recently sampled images until a
+        quarter of the room is free again (not a few addresses at every
+        drain). Returns the addresses cached after."""
         images = self._live_images()
         total = sum(image.cached_addresses() for image in images)
         if total <= max_addresses:
