@@ -121,7 +121,7 @@ class Config:
     # tramprof_symbol_memory_bytes and tramprof_symbol_evictions_total show it.
     symbol_memory_bytes: int = 128 << 20
     # Memory for the names and places of frames remembered by address, all
-    # processes together, in bytes (1 MiB..64 GiB; estimated at ~220 bytes an
+    # processes together, in bytes (1 MiB..64 GiB; estimated at ~224 bytes an
     # address). Past it, the least recently sampled processes' caches are
     # emptied and their frames looked up again as they are sampled:
     # tramprof_address_cache_entries and tramprof_address_cache_evictions_total

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tramprof.symbols.images import CACHED_ADDRESS_BYTES
+
 
 @dataclass(frozen=True)
 class Family:
@@ -152,8 +154,8 @@ PROFILE_STORE_SECONDS = Family(
 ADDRESS_CACHE = Family(
     "tramprof_address_cache_entries", "gauge", (),
     "Addresses whose frame names and places are cached, all processes together; kept within "
-    "address_cache_bytes (~220 bytes an address) by emptying the caches of the least recently "
-    "sampled processes.")
+    f"address_cache_bytes (~{CACHED_ADDRESS_BYTES} bytes an address) by emptying the caches of "
+    "the least recently sampled processes.")
 ADDRESS_CACHE_EVICTIONS = Family(
     "tramprof_address_cache_evictions", "counter", (),
     "Processes whose address caches were emptied to keep all within their bound; their "
