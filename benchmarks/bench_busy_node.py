@@ -98,6 +98,8 @@ TABLE_BUILDS = "tramprof_unwind_table_builds_total"
 STAGE_CPU = "tramprof_main_thread_cpu_seconds_total"
 #: Addresses the symbol caches hold (Result.address_cache).
 ADDRESS_CACHE = "tramprof_address_cache_entries"
+#: Processes whose address caches were emptied to keep all within their bound.
+ADDRESS_CACHE_EVICTIONS = "tramprof_address_cache_evictions_total"
 TARGETS = {99: {"cpu": 1.0, "drain_ms": 200.0, "rss_mib": 150.0}}
 FUNCTIONS = 300
 PERIOD_S = 0.25
@@ -347,6 +349,9 @@ class Result:
     # address_cache_bytes: a steady RSS read while they still grow may not
     # be where the daemon settles.
     address_cache: tuple[float, float] | None = None
+    # Process images whose address caches were emptied in the window (None:
+    # the build does not tell).
+    address_evictions: float | None = None
     scrape_ms: list[float] = field(default_factory=list)
     scrape_bytes: int = 0
     # /profile of the last minute before the window, by format: (ms, bytes)
@@ -470,7 +475,8 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     for daemon in daemons:
         next_drain(daemon)
     before = [daemon.metrics("tramprof_perf_events_total", "tramprof_stacks_named_total",
-                             *HEAP_COLLECTIONS, TABLE_BUILDS, STAGE_CPU, ADDRESS_CACHE)
+                             *HEAP_COLLECTIONS, TABLE_BUILDS, STAGE_CPU, ADDRESS_CACHE,
+                             ADDRESS_CACHE_EVICTIONS)
               for daemon in daemons]
     # drains done -> the last one's (wall, CPU) seconds; CPU None from a
     # build that does not export it
@@ -536,6 +542,9 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
     if (ADDRESS_CACHE, ()) in after and (ADDRESS_CACHE, ()) in before:
         cached = after[(ADDRESS_CACHE, ())]
         result.address_cache = (cached, (cached - before[(ADDRESS_CACHE, ())]) / seconds * 60)
+    if (ADDRESS_CACHE_EVICTIONS, ()) in after and (ADDRESS_CACHE_EVICTIONS, ()) in before:
+        result.address_evictions = (after[(ADDRESS_CACHE_EVICTIONS, ())]
+                                    - before[(ADDRESS_CACHE_EVICTIONS, ())])
     events = {dict(k[1]).get("outcome"): v for k, v in after.items()
               if k[0] == "tramprof_perf_events_total"}
     old = {dict(k[1]).get("outcome"): v for k, v in before.items()}
@@ -699,6 +708,8 @@ def report(results: list[Result]) -> None:
     row("address cache entries, end / a min", [
         "n/a" if r.address_cache is None
         else f"{r.address_cache[0]:.0f} / {r.address_cache[1]:+.0f}" for r in results])
+    row("  processes' caches emptied to stay within it", [
+        "n/a" if r.address_evictions is None else f"{r.address_evictions:.0f}" for r in results])
     row("/metrics ms p50 / p99 (OM, gzip)", [f"{median(r.scrape_ms):.1f} / "
                                              f"{percentile(r.scrape_ms, 0.99):.1f}"
                                              for r in results])
