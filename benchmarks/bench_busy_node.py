@@ -29,10 +29,11 @@ series update after it, and ``tramprof_drain_cpu_seconds``, the part of it
 the drain ran rather than waited for a CPU; read from whole ``/metrics`` scrapes every
 ``--scrape-interval`` seconds, as the shipped Prometheus configuration scrapes,
 and nothing else asks the daemon for anything in the window), RSS (steady
-VmRSS at the window's end and how fast it grew over the window, peak
-VmHWM; with the addresses the symbol caches hold and their growth: they
-grow up to their bound while programs keep meeting new return addresses,
-so a steady RSS read before may not be where the daemon settles),
+VmRSS at the window's end and how fast it grew over the window, its median
+and maximum over the window's scrapes, peak VmHWM; with the addresses the
+symbol caches hold and their growth: they grow up to their bound while
+programs keep meeting new return addresses, so a steady RSS read before may
+not be where the daemon settles),
 whole-heap collections of the garbage collector in the window (one adds
 ~0.4 s of CPU: the first comes 5 minutes after start, later ones more and
 more rarely, so the CPU is also shown without them); then full ``/metrics``
@@ -344,6 +345,9 @@ class Result:
     rss_peak: float = 0.0
     rss_steady: float = 0.0
     rss_growth: float = 0.0  # MiB a minute over the window
+    # VmRSS read at every scrape of the window: one reading moves by a few
+    # MiB from drain to drain, its median and maximum do not.
+    rss_window: list[float] = field(default_factory=list)
     # Addresses the symbol caches hold at the window's end, and their growth
     # a minute over it (None: the build does not tell). They grow up to
     # address_cache_bytes: a steady RSS read while they still grow may not
@@ -502,6 +506,7 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
             drains[at][metrics[("tramprof_drains_total", ())]] = (
                 metrics[("tramprof_drain_duration_seconds", ())],
                 metrics.get(("tramprof_drain_cpu_seconds", ())))
+            results[at].rss_window.append(daemons[at].status("VmRSS"))
         order.reverse()
         run_queue.append(runnable())
     cpu1 = [daemon.cpu_with_children() for daemon in daemons]
@@ -703,12 +708,15 @@ def report(results: list[Result]) -> None:
     row("RSS steady MiB", [f"{r.rss_steady:.1f}" for r in results],
         f"99 Hz target <= {t['rss_mib']:.0f} MiB ({mark(r99.rss_steady <= t['rss_mib'])})"
         if r99 else "")
+    row("RSS in window MiB, median / max", [
+        f"{median(r.rss_window):.1f} / {max(r.rss_window):.1f}" if r.rss_window else "n/a"
+        for r in results])
     row("RSS peak (VmHWM) MiB", [f"{r.rss_peak:.1f}" for r in results])
     row("RSS growth in window MiB/min", [f"{r.rss_growth:+.1f}" for r in results])
     row("address cache entries, end / a min", [
         "n/a" if r.address_cache is None
         else f"{r.address_cache[0]:.0f} / {r.address_cache[1]:+.0f}" for r in results])
-    row("  processes' caches emptied to stay within it", [
+    row("  processes' caches emptied", [
         "n/a" if r.address_evictions is None else f"{r.address_evictions:.0f}" for r in results])
     row("/metrics ms p50 / p99 (OM, gzip)", [f"{median(r.scrape_ms):.1f} / "
                                              f"{percentile(r.scrape_ms, 0.99):.1f}"
