@@ -260,10 +260,10 @@ def test_address_caches_of_all_processes_stay_within_their_bound():
         theirs = image_of(child.pid)  # sampled after ours
         child_names = theirs.name_frames([child_libc.start + 16, child_libc.start + 32])[0]
         assert (ours.cached_addresses(), theirs.cached_addresses()) == (3, 2)
-        assert registry.bound_address_caches(max_addresses=5) == 5
+        assert registry.bound_address_caches(max_bytes=5 * CACHED_ADDRESS_BYTES) == 5
         assert registry.address_cache_evictions == 0
         # Past the bound: ours, sampled least recently, is emptied.
-        assert registry.bound_address_caches(max_addresses=4) == 2
+        assert registry.bound_address_caches(max_bytes=4 * CACHED_ADDRESS_BYTES) == 2
         assert (ours.cached_addresses(), theirs.cached_addresses()) == (0, 2)
         assert registry.address_cache_evictions == 1
         assert ours.name_frames(stack)[0] == names

@@ -33,7 +33,7 @@ from tramprof.procfs.events import open_event_source
 from tramprof.procfs.identity import read_stat
 from tramprof.sampler.layout import Counter as BpfCounter
 from tramprof.sampler.program import Sampler, SamplerConfig
-from tramprof.symbols.images import CACHED_ADDRESS_BYTES, ProcessImage, ProcessRegistry
+from tramprof.symbols.images import ProcessImage, ProcessRegistry
 from tramprof.symbols.kallsyms import KernelSymbols
 from tramprof.symbols.perfmap import gc_paused
 from tramprof.unwind.chain import ChainMode
@@ -479,7 +479,7 @@ class Profiler:
             self.config.symbol_memory_bytes)
         self.stats.symbol_evictions = self.registry.jit_evictions
         self.stats.cached_addresses = self.registry.bound_address_caches(
-            self.config.address_cache_bytes // CACHED_ADDRESS_BYTES)
+            self.config.address_cache_bytes)
         self.stats.address_cache_evictions = self.registry.address_cache_evictions
         self.stats.stacks_reused = self.namer.cache.reused
         self.stats.stacks_named = self.namer.cache.named

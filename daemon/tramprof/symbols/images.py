@@ -525,13 +525,14 @@ class ProcessRegistry:
         self.jit_memory_bytes = total
         return total
 
-    def bound_address_caches(self, max_addresses: int) -> int:
-        """Keep the address caches of all process images within
-        ``max_addresses`` together (``address_cache_bytes``: a long-lived
-        node keeps meeting new addresses in processes that live for weeks):
-        past it, empty those of the least recently sampled images until a
-        quarter of the room is free again (not a few addresses at every
-        drain). Returns the addresses cached after."""
+    def bound_address_caches(self, max_bytes: int) -> int:
+        """Keep the address caches of all process images within ``max_bytes``
+        together, at CACHED_ADDRESS_BYTES an address (``address_cache_bytes``:
+        a long-lived node keeps meeting new addresses in processes that live
+        for weeks): past it, empty those of the least recently sampled images
+        until a quarter of the room is free again (not a few addresses at
+        every drain). Returns the addresses cached after."""
+        max_addresses = max_bytes // CACHED_ADDRESS_BYTES
         images = self._live_images()
         total = sum(image.cached_addresses() for image in images)
         if total <= max_addresses:
