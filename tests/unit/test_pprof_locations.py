@@ -231,6 +231,14 @@ def test_the_executable_is_the_first_mapping():
         "/opt/lib/libfoo-2.0.so.1.2", "/usr/bin/app"]
 
 
+def image_of(registry: ProcessRegistry, pid: int) -> ProcessImage:
+    """The running image of ``pid``, as the registry gives it to a sample."""
+    boot_ns = read_stat(pid).start_ticks * 10**9 // os.sysconf("SC_CLK_TCK")
+    image = registry.image(pid, boot_ns, 1, "test")[1]
+    assert image is not None
+    return image
+
+
 def test_address_caches_of_all_processes_stay_within_their_bound():
     """Past the bound, the caches of the least recently sampled processes are
     emptied, the rest kept; emptied ones name their stacks as before."""
@@ -240,15 +248,7 @@ def test_address_caches_of_all_processes_stay_within_their_bound():
     child = subprocess.Popen(["/bin/sleep", "60"])
     try:
         registry = ProcessRegistry()
-        clk = os.sysconf("SC_CLK_TCK")
-
-        def image_of(pid: int) -> ProcessImage:
-            boot_ns = read_stat(pid).start_ticks * 10**9 // clk
-            image = registry.image(pid, boot_ns, 1, "test")[1]
-            assert image is not None
-            return image
-
-        ours = image_of(os.getpid())
+        ours = image_of(registry, os.getpid())
         names = ours.name_frames(stack)[0]
         # The child's libc is mapped elsewhere: name its own libc's start
         # (once its loader has mapped it).
@@ -257,7 +257,7 @@ def test_address_caches_of_all_processes_stay_within_their_bound():
             assert time.monotonic() < deadline, "the child never mapped libc"
             time.sleep(0.01)
         child_libc = libcs[0]
-        theirs = image_of(child.pid)  # sampled after ours
+        theirs = image_of(registry, child.pid)  # sampled after ours
         child_names = theirs.name_frames([child_libc.start + 16, child_libc.start + 32])[0]
         assert (ours.cached_addresses(), theirs.cached_addresses()) == (3, 2)
         assert registry.bound_address_caches(max_bytes=5 * CACHED_ADDRESS_BYTES) == 5
@@ -279,10 +279,8 @@ def test_a_cached_address_costs_what_the_bound_counts():
     CACHED_ADDRESS_BYTES each: measured on this process's own code, the
     caches' memory per address (the names themselves are shared, and were
     found before) is within 15% of it."""
-    registry = ProcessRegistry()
-    boot_ns = read_stat(os.getpid()).start_ticks * 10**9 // os.sysconf("SC_CLK_TCK")
-    image = registry.image(os.getpid(), boot_ns, 1, "test")[1]
-    assert image is not None and image.symbolizer is not None
+    image = image_of(ProcessRegistry(), os.getpid())
+    assert image.symbolizer is not None
     rng = random.Random(1)
     code = [m for m in image.symbolizer.mappings
             if m.is_exec and not m.is_anonymous and not m.is_special]
