@@ -705,12 +705,14 @@ def report(results: list[Result]) -> None:
     row("whole-heap collections in window, s", [
         "n/a" if r.heap_collections is None
         else f"{r.heap_collections[0]:.0f}, {r.heap_collections[1]:.2f}" for r in results])
-    row("RSS steady MiB", [f"{r.rss_steady:.1f}" for r in results],
-        f"99 Hz target <= {t['rss_mib']:.0f} MiB ({mark(r99.rss_steady <= t['rss_mib'])})"
-        if r99 else "")
+    row("RSS steady MiB", [f"{r.rss_steady:.1f}" for r in results])
+    # The target is checked on the window's highest reading, not on one
+    # taken at a moment of the drain cycle.
     row("RSS in window MiB, median / max", [
         f"{median(r.rss_window):.1f} / {max(r.rss_window):.1f}" if r.rss_window else "n/a"
-        for r in results])
+        for r in results],
+        f"99 Hz target <= {t['rss_mib']:.0f} MiB ({mark(max(r99.rss_window) <= t['rss_mib'])})"
+        if r99 and r99.rss_window else "")
     row("RSS peak (VmHWM) MiB", [f"{r.rss_peak:.1f}" for r in results])
     row("RSS growth in window MiB/min", [f"{r.rss_growth:+.1f}" for r in results])
     row("address cache entries, end / a min", [
