@@ -23,24 +23,41 @@ from tramprof.unwind.arenas import Arenas
 _INCOMPLETE = layout.TABLE_STOP | layout.USTACK_FAULT
 
 
+# What the compiled merge takes: native ips and stack addresses, trampoline
+# frames, the stub arenas' starts and ends, whether the native walk stopped
+# short, and whether a gap marker ends the stack (a table walk's stop).
+MergeArguments = tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, int], ...],
+                       list[int], list[int], bool, bool]
+
+
+def merge_arguments(sample: RawSample, stubs: Arenas | None) -> MergeArguments | None:
+    """The compiled merge's arguments for ``sample``; None when it does not
+    take it (a sample taken with the hook off: ``merged_user_addresses``)."""
+    flags = sample.user_flags
+    if flags & layout.PYTHON_PAUSED:
+        return None
+    if sample.trampoline_frames and stubs is not None:
+        starts, ends = stubs.search_lists
+        return (sample.user_ips, sample.user_sps, sample.trampoline_frames, starts, ends,
+                bool(flags & _INCOMPLETE), False)
+    return (sample.user_ips, sample.user_sps, (), [], [], False,
+            bool(flags & layout.TABLE_STOP))
+
+
 def user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
     """``merged_user_addresses``, by the compiled pass where it takes the
     sample (nearly always: see ``_speedups.c``)."""
-    flags = sample.user_flags
     compiled = speedups.compiled
-    if compiled is None or flags & layout.PYTHON_PAUSED:
+    arguments = None if compiled is None else merge_arguments(sample, stubs)
+    if arguments is None:
         return merged_user_addresses(sample, stubs)
-    if sample.trampoline_frames and stubs is not None:
-        starts, ends = stubs.search_lists
-        merged = compiled.merge_trampolines(sample.user_ips, sample.user_sps,
-                                            sample.trampoline_frames, starts, ends,
-                                            bool(flags & _INCOMPLETE), NATIVE_GAP)
-    else:
-        merged = compiled.merge_trampolines(sample.user_ips, sample.user_sps, (), [], [],
-                                            False, NATIVE_GAP)
-        if merged is not None and flags & layout.TABLE_STOP:
-            merged.append(NATIVE_GAP)
-    return merged_user_addresses(sample, stubs) if merged is None else merged
+    ips, sps, tramps, starts, ends, incomplete, stop_gap = arguments
+    merged = compiled.merge_trampolines(ips, sps, tramps, starts, ends, incomplete, NATIVE_GAP)
+    if merged is None:
+        return merged_user_addresses(sample, stubs)
+    if stop_gap:
+        merged.append(NATIVE_GAP)
+    return merged
 
 
 def merged_user_addresses(sample: RawSample, stubs: Arenas | None) -> list[int | str]:
