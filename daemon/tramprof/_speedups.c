@@ -1,7 +1,8 @@
 /*
  * The per-frame passes of naming a drained stack (merging trampoline frames,
- * the cache lookups, names other processes found), and the parse of a
- * process's maps (at the bottom), in C.
+ * the cache lookups, names other processes found), the three as one pass
+ * over a whole stack, and the parse of a process's maps (at the bottom), in
+ * C.
  *
  * A busy node drains ~1,000 distinct stacks of up to ~160 frames every
  * interval. In Python, merging a stack's trampoline frames into its native
@@ -104,14 +105,9 @@ sort_frames(frame_t *frames, Py_ssize_t count)
  * return address is 0, or there are more than MAX_SORTED trampoline frames.
  */
 static PyObject *
-merge_trampolines(PyObject *self, PyObject *args)
+merged_list(PyObject *ips, PyObject *sps, PyObject *tramps, PyObject *starts, PyObject *ends,
+            int incomplete, PyObject *gap)
 {
-    PyObject *ips, *sps, *tramps, *starts, *ends, *gap;
-    int incomplete;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!pU", &PyTuple_Type, &ips, &PyTuple_Type, &sps,
-                          &PyTuple_Type, &tramps, &PyList_Type, &starts, &PyList_Type, &ends,
-                          &incomplete, &gap))
-        return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(ips), m = PyTuple_GET_SIZE(tramps);
     if (n != PyTuple_GET_SIZE(sps) || PyList_GET_SIZE(starts) != PyList_GET_SIZE(ends) ||
         m > MAX_SORTED)
@@ -190,6 +186,18 @@ done:
         Py_DECREF(frames[i].addr);
     PyMem_Free(frames);
     return result;
+}
+
+static PyObject *
+merge_trampolines(PyObject *self, PyObject *args)
+{
+    PyObject *ips, *sps, *tramps, *starts, *ends, *gap;
+    int incomplete;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!pU", &PyTuple_Type, &ips, &PyTuple_Type, &sps,
+                          &PyTuple_Type, &tramps, &PyList_Type, &starts, &PyList_Type, &ends,
+                          &incomplete, &gap))
+        return NULL;
+    return merged_list(ips, sps, tramps, starts, ends, incomplete, gap);
 }
 
 /*
@@ -487,20 +495,17 @@ parse_maps(PyObject *self, PyObject *args)
  * expected kinds (Python then looks them all up: its lookups are the
  * reference).
  */
-static PyObject *
-shared_answers(PyObject *self, PyObject *args)
+/* shared_answers' pass: how many it answered, -1 with an exception set,
+ * -2 (answering none) when an argument is not of the expected kinds. */
+static Py_ssize_t
+fill_shared(PyObject *addresses, PyObject *answers, PyObject *los, PyObject *his,
+            PyObject *entries, PyObject *names, PyObject *found, Py_ssize_t max_found,
+            PyObject *frame_source)
 {
-    PyObject *addresses, *answers, *los, *his, *entries, *names, *found, *frame_source;
-    Py_ssize_t max_found;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!nO", &PyList_Type, &addresses,
-                          &PyList_Type, &answers, &PyList_Type, &los, &PyList_Type, &his,
-                          &PyList_Type, &entries, &PyDict_Type, &names, &PyDict_Type, &found,
-                          &max_found, &frame_source))
-        return NULL;
     Py_ssize_t n = PyList_GET_SIZE(addresses), ranges = PyList_GET_SIZE(los);
     if (PyList_GET_SIZE(answers) != n || PyList_GET_SIZE(his) != ranges ||
             PyList_GET_SIZE(entries) != ranges || !PyCallable_Check(frame_source))
-        Py_RETURN_NONE;
+        return -2;
     for (Py_ssize_t j = 0; j < ranges; j++) {
         PyObject *entry = PyList_GET_ITEM(entries, j);
         uint64_t bound;
@@ -509,19 +514,19 @@ shared_answers(PyObject *self, PyObject *args)
                 !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 ||
                 !PyUnicode_CheckExact(PyTuple_GET_ITEM(entry, 0)) ||
                 !PyLong_CheckExact(PyTuple_GET_ITEM(entry, 1)))
-            Py_RETURN_NONE;
+            return -2;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *addr = PyList_GET_ITEM(addresses, i);
         if (!PyLong_CheckExact(addr) && !PyUnicode_CheckExact(addr))
-            Py_RETURN_NONE;
+            return -2;
     }
     Py_ssize_t answered = 0;
     for (Py_ssize_t i = 0; i < n && PyDict_GET_SIZE(found) < max_found; i++) {
         if (PyList_GET_SIZE(addresses) != n || PyList_GET_SIZE(answers) != n ||
                 PyList_GET_SIZE(los) != ranges || PyList_GET_SIZE(his) != ranges ||
                 PyList_GET_SIZE(entries) != ranges)
-            Py_RETURN_NONE;  /* changed under a call below: Python looks up the rest */
+            return -2;  /* changed under a call below: Python looks up the rest */
         PyObject *addr = PyList_GET_ITEM(addresses, i);
         uint64_t at;
         if (PyList_GET_ITEM(answers, i) != Py_None || as_u64(addr, &at) < 0)
@@ -531,7 +536,7 @@ shared_answers(PyObject *self, PyObject *args)
             Py_ssize_t mid = (lo + hi) / 2;
             uint64_t start;
             if (as_u64(PyList_GET_ITEM(los, mid), &start) < 0)
-                Py_RETURN_NONE;
+                return -2;
             if (at < start)
                 hi = mid;
             else
@@ -541,24 +546,24 @@ shared_answers(PyObject *self, PyObject *args)
         if (lo == 0)
             continue;
         if (as_u64(PyList_GET_ITEM(his, lo - 1), &end) < 0)
-            Py_RETURN_NONE;
+            return -2;
         if (at >= end)
             continue;
         PyObject *entry = PyList_GET_ITEM(entries, lo - 1);
         if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3)
-            Py_RETURN_NONE;
+            return -2;
         PyObject *vaddr = PyNumber_Add(addr, PyTuple_GET_ITEM(entry, 1));
         if (vaddr == NULL)
-            return NULL;
+            return -1;
         PyObject *place = PyTuple_Pack(2, PyTuple_GET_ITEM(entry, 0), vaddr);
         Py_DECREF(vaddr);
         if (place == NULL)
-            return NULL;
+            return -1;
         PyObject *name = PyDict_GetItemWithError(names, place);  /* borrowed */
         Py_DECREF(place);
         if (name == NULL) {
             if (PyErr_Occurred())
-                return NULL;
+                return -1;
             continue;
         }
         if (!PyUnicode_CheckExact(name))
@@ -578,13 +583,163 @@ shared_answers(PyObject *self, PyObject *args)
         Py_DECREF(addr);
         if (failed) {
             Py_XDECREF(answer);
-            return NULL;
+            return -1;
         }
         if (PyList_SetItem(answers, i, answer) < 0)  /* steals answer, drops the None */
-            return NULL;
+            return -1;
         answered++;
     }
+    return answered;
+}
+
+static PyObject *
+shared_answers(PyObject *self, PyObject *args)
+{
+    PyObject *addresses, *answers, *los, *his, *entries, *names, *found, *frame_source;
+    Py_ssize_t max_found;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!nO", &PyList_Type, &addresses,
+                          &PyList_Type, &answers, &PyList_Type, &los, &PyList_Type, &his,
+                          &PyList_Type, &entries, &PyDict_Type, &names, &PyDict_Type, &found,
+                          &max_found, &frame_source))
+        return NULL;
+    Py_ssize_t answered = fill_shared(addresses, answers, los, his, entries, names, found,
+                                      max_found, frame_source);
+    if (answered == -1)
+        return NULL;
+    if (answered == -2)
+        Py_RETURN_NONE;
     return PyLong_FromSsize_t(answered);
+}
+
+/*
+ * cached_stack(ips, sps, tramps, starts, ends, incomplete, stop_gap, gap,
+ *              found, jit_found, shared, head, tail_names, tail_sources)
+ *     -> (frames, sources, jit_hits, shared_hits) | merged | None
+ *
+ * A whole sample's frames, root first, when its image's caches, or the
+ * names other processes found, name every user frame: ``named_frames``
+ * with ``ProcessImage.name_frames_cached`` in one call, for the stacks a
+ * busy node drains by the thousand. The user frames are
+ * ``merge_trampolines``'s lookup addresses (``stop_gap``: gap appended at
+ * the root, as for a table walk's stop without trampoline frames), each
+ * named as ``cached_answers`` names it (jit_hits: by the JIT cache; a
+ * marker, a str, names itself with no place) and, for the misses,
+ * ``shared_answers`` with the arguments in ``shared`` (los, his, entries,
+ * names, max_found, frame_source; None: none), which caches what it
+ * answers (shared_hits). They go in reverse, between ``head`` (markers)
+ * and the kernel part (``tail_names``, ``tail_sources``), in tuples. When
+ * an address is left unnamed: the merged list, for the caller to name (it
+ * finds what this call cached). None where ``merge_trampolines`` gives
+ * None, ``shared`` is not as expected or an answer is not a pair: the
+ * caller names the sample as if this call had not been made (what it
+ * cached is what the caller's own passes cache).
+ */
+static PyObject *
+cached_stack(PyObject *self, PyObject *args)
+{
+    PyObject *ips, *sps, *tramps, *starts, *ends, *gap, *found, *jit_found, *shared, *head;
+    PyObject *tail_names, *tail_sources;
+    PyObject *los = NULL, *his = NULL, *entries = NULL, *names = NULL, *frame_source = NULL;
+    Py_ssize_t max_found = 0;
+    int incomplete, stop_gap;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!ppUO!O!OO!O!O!", &PyTuple_Type, &ips,
+                          &PyTuple_Type, &sps, &PyTuple_Type, &tramps, &PyList_Type, &starts,
+                          &PyList_Type, &ends, &incomplete, &stop_gap, &gap, &PyDict_Type,
+                          &found, &PyDict_Type, &jit_found, &shared, &PyTuple_Type, &head,
+                          &PyTuple_Type, &tail_names, &PyTuple_Type, &tail_sources))
+        return NULL;
+    Py_ssize_t n_tail = PyTuple_GET_SIZE(tail_names);
+    if (PyTuple_GET_SIZE(tail_sources) != n_tail || !PyUnicode_CheckExact(gap))
+        Py_RETURN_NONE;
+    if (shared != Py_None &&
+        (!PyTuple_CheckExact(shared) ||
+         !PyArg_ParseTuple(shared, "O!O!O!O!nO", &PyList_Type, &los, &PyList_Type, &his,
+                           &PyList_Type, &entries, &PyDict_Type, &names, &max_found,
+                           &frame_source))) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *merged = merged_list(ips, sps, tramps, starts, ends, incomplete, gap);
+    if (merged == NULL || merged == Py_None)
+        return merged;
+    if (stop_gap && PyList_Append(merged, gap) < 0) {
+        Py_DECREF(merged);
+        return NULL;
+    }
+    /* The merged list holds ints and the gap only: their hashes and
+     * comparisons run no Python code. */
+    Py_ssize_t n = PyList_GET_SIZE(merged), jit_hits = 0, misses = 0, shared_hits = 0;
+    PyObject *answers = PyList_New(n), *frames = NULL, *sources = NULL, *result = NULL;
+    if (answers == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *addr = PyList_GET_ITEM(merged, i);
+        PyObject *answer = PyDict_GetItemWithError(found, addr);
+        if (answer == NULL && !PyErr_Occurred()) {
+            answer = PyDict_GetItemWithError(jit_found, addr);
+            if (answer != NULL)
+                jit_hits++;
+        }
+        if (answer == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            answer = Py_None;
+            misses += !PyUnicode_CheckExact(addr);
+        }
+        PyList_SET_ITEM(answers, i, Py_NewRef(answer));
+    }
+    if (misses && los != NULL) {
+        shared_hits = fill_shared(merged, answers, los, his, entries, names, found, max_found,
+                                  frame_source);
+        if (shared_hits == -1)
+            goto done;
+        if (shared_hits == -2)
+            shared_hits = 0;  /* the caller's shared pass says so */
+        misses -= shared_hits;
+    }
+    if (misses) {
+        result = Py_NewRef(merged);  /* named by the caller */
+        goto done;
+    }
+    Py_ssize_t n_head = PyTuple_GET_SIZE(head), total = n_head + n + n_tail;
+    frames = PyTuple_New(total);
+    sources = PyTuple_New(total);
+    if (frames == NULL || sources == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n_head; i++) {
+        PyTuple_SET_ITEM(frames, i, Py_NewRef(PyTuple_GET_ITEM(head, i)));
+        PyTuple_SET_ITEM(sources, i, Py_NewRef(Py_None));
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *answer = PyList_GET_ITEM(answers, i), *name, *source;
+        if (answer == Py_None) {  /* a marker (the misses are all answered) */
+            name = PyList_GET_ITEM(merged, i);
+            source = Py_None;
+        } else if (PyTuple_CheckExact(answer) && PyTuple_GET_SIZE(answer) == 2) {
+            name = PyTuple_GET_ITEM(answer, 0);
+            source = PyTuple_GET_ITEM(answer, 1);
+        } else {
+            goto fallback;
+        }
+        Py_ssize_t at = n_head + n - 1 - i;  /* root first */
+        PyTuple_SET_ITEM(frames, at, Py_NewRef(name));
+        PyTuple_SET_ITEM(sources, at, Py_NewRef(source));
+    }
+    for (Py_ssize_t i = 0; i < n_tail; i++) {
+        PyTuple_SET_ITEM(frames, n_head + n + i, Py_NewRef(PyTuple_GET_ITEM(tail_names, i)));
+        PyTuple_SET_ITEM(sources, n_head + n + i, Py_NewRef(PyTuple_GET_ITEM(tail_sources, i)));
+    }
+    result = Py_BuildValue("(NNnn)", frames, sources, jit_hits, shared_hits);
+    frames = sources = NULL;  /* stolen */
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(frames);
+    Py_XDECREF(sources);
+    Py_XDECREF(answers);
+    Py_DECREF(merged);
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -596,6 +751,9 @@ static PyMethodDef methods[] = {
     {"shared_answers", shared_answers, METH_VARARGS,
      "Fills the misses that names found by other processes answer; how many (None: odd "
      "arguments)."},
+    {"cached_stack", cached_stack, METH_VARARGS,
+     "A sample's frames and places, root first, from its image's caches (the merged "
+     "addresses when one misses; None: not the ordinary case)."},
     {"split_pairs", split_pairs, METH_O,
      "A list of pairs as the list of their firsts and the list of their seconds."},
     {"parse_maps", parse_maps, METH_VARARGS,

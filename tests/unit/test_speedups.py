@@ -5,9 +5,15 @@ put there), and no reference kept past a call."""
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tramprof import speedups
 from tramprof.model import NATIVE_GAP, FrameSource, RawSample
+from tramprof.pipeline import frames
+from tramprof.pipeline.naming import CountingNamer
 from tramprof.sampler import layout
 from tramprof.symbols.images import ProcessImage
 from tramprof.unwind import merge
@@ -157,6 +163,107 @@ def test_cached_answers_are_python_s(found: dict[int, tuple[str, FrameSource]],
     assert image.name_frames_cached(addresses) == image.name_frames_cached(tuple(addresses))
 
 
+KERNEL_NAMES = {0xFFFF_FFFF_8100_0000 + 0x10 * i: f"kernel_{i}" for i in range(4)}
+kernel_address = st.sampled_from([*KERNEL_NAMES, *(a + 1 for a in KERNEL_NAMES),
+                                  0xFFFF_FFFF_8000_0000])
+
+
+@needs_speedups
+@settings(max_examples=1500, deadline=None)
+@given(sample=samples(), stubs=st.sampled_from([ARENAS, Arenas(), None]),
+       kernel_ips=st.lists(kernel_address, max_size=4), kernel_error=st.sampled_from([0, -14]),
+       no_user=st.booleans(), where=st.data())
+def test_a_stack_named_from_the_caches_is_named_as_in_python(
+        sample: RawSample, stubs: Arenas | None, kernel_ips: list[int], kernel_error: int,
+        no_user: bool, where: st.DataObject) -> None:
+    """The whole-stack pass gives ``named_frames``'s frames and places, and
+    the JIT cache's hits, when the caches hold every user frame; the lookup
+    addresses when one is missing; nothing for samples it does not take."""
+    flags = sample.user_flags | (layout.USTACK_NO_USER if no_user else 0)
+    sample = replace(sample, user_flags=flags, kernel_ips=tuple(kernel_ips),
+                     kernel_error=kernel_error)
+    addresses = merge.merged_user_addresses(sample, stubs)
+    image = ProcessImage(symbolizer=None)
+    for addr in addresses:  # each cached in one cache or the other, or not at all
+        if isinstance(addr, int):
+            cache = where.draw(st.sampled_from([image.found, image.jit_found, None]))
+            if cache is not None:
+                cache[addr] = (f"f{addr:x}", FrameSource(addr))
+    failures: Counter[str] = Counter()
+    kernel_frames = frames.kernel_part(sample, KERNEL_NAMES.get, failures)
+    expected_failures = Counter(failures)
+    cached = frames.cached_frames(sample, image.caches(), stubs, kernel_frames)
+    namer = CountingNamer(image)
+    saved, speedups.compiled = speedups.compiled, None  # type: ignore[assignment]
+    try:
+        failures.clear()
+        expected = frames.named_frames(sample, namer, KERNEL_NAMES.get, failures, stubs)
+    finally:
+        speedups.compiled = saved
+    assert failures == expected_failures  # the kernel part is counted once either way
+    arguments = merge.merge_arguments(sample, stubs)
+    if no_user or arguments is None or \
+            _speedups.merge_trampolines(*arguments[:6], NATIVE_GAP) is None:
+        assert cached is None  # paused, no user stack, or odd: named in Python
+    elif namer.jit_hits is None:  # a frame was missing from both caches
+        assert cached == addresses
+    else:
+        assert cached == (*expected, namer.jit_hits, 0)
+
+
+@needs_speedups
+def test_the_whole_stack_pass_leaves_odd_answers_and_markers() -> None:
+    """An answer that is not a (name, place) pair, or a gap marker that is
+    not a plain str, is left to Python (None)."""
+    ips, sps = (BASE + 0x500, BASE + 0x601), (0x100, 0x110)
+    common = (ips, sps, (), [], [], False, True)
+    good = {BASE + 0x500: ("f", None), BASE + 0x600: ("g", None)}
+    assert _speedups.cached_stack(*common, NATIVE_GAP, good, {}, None, ("[t]",), ("k",),
+                                  (None,)) == \
+        (("[t]", NATIVE_GAP, "g", "f", "k"), (None, None, None, None, None), 0, 0)
+    assert _speedups.cached_stack(*common, NATIVE_GAP, {}, good, None, (), (), ()) == \
+        ((NATIVE_GAP, "g", "f"), (None, None, None), 2, 0)
+    assert _speedups.cached_stack(*common, NATIVE_GAP, {BASE + 0x500: ("f",)}, good, None,
+                                  (), (), ()) is None
+
+    class Marker(str):
+        pass
+
+    assert _speedups.cached_stack(*common, Marker(NATIVE_GAP), good, {}, None, (), (),
+                                  ()) is None
+    assert _speedups.cached_stack(*common, NATIVE_GAP, good, {}, None, (), ("k",), ()) is None
+    for odd_shared in ((), ([], [], [], {}, 1), ([], [], [], {}, "1", FrameSource), [1]):
+        assert _speedups.cached_stack(*common, NATIVE_GAP, good, {}, odd_shared, (), (),
+                                      ()) is None
+
+
+@needs_speedups
+def test_the_whole_stack_pass_takes_names_other_processes_found() -> None:
+    """Misses that the shared names answer are named and cached as
+    ``shared_answers`` does, and counted; one they do not answer leaves the
+    stack to the caller (the lookup addresses), keeping what was cached."""
+    names = {("obj", 0x1010): "f", ("obj", 0x1020): "g"}
+    shared = ([BASE + 0x1000], [BASE + 0x2000], [("obj", 0x1000 - BASE - 0x1000, "lib")],
+              names, 10, FrameSource)
+    ips, sps = (BASE + 0x1010, BASE + 0x1021, BASE + 0x5001), (0x100, 0x110, 0x120)
+    found: dict[int, object] = {BASE + 0x5000: ("main", None)}
+    named = _speedups.cached_stack(ips, sps, (), [], [], False, False, NATIVE_GAP, found, {},
+                                   shared, (), (), ())
+    f = ("f", FrameSource(BASE + 0x1010, "lib"))  # type: ignore[arg-type]
+    g = ("g", FrameSource(BASE + 0x1020, "lib"))  # type: ignore[arg-type]
+    assert named == (("main", "g", "f"), (None, g[1], f[1]), 0, 2)
+    assert found == {BASE + 0x5000: ("main", None), BASE + 0x1010: f, BASE + 0x1020: g}
+    found = {}
+    ips = (BASE + 0x1010, BASE + 0x1031)  # no name at 0x1030
+    assert _speedups.cached_stack(ips, sps[:2], (), [], [], False, False, NATIVE_GAP, found,
+                                  {}, shared, (), (), ()) == [BASE + 0x1010, BASE + 0x1030]
+    assert found == {BASE + 0x1010: f}
+    # A full cache takes no more: the caller's lookups empty it.
+    assert _speedups.cached_stack(ips[:1], sps[:1], (), [], [], False, False, NATIVE_GAP, {},
+                                  {}, (*shared[:4], 0, FrameSource), (), (), ()) == \
+        [BASE + 0x1010]
+
+
 @needs_speedups
 def test_no_reference_is_kept_past_a_call() -> None:
     """Ten thousand calls of each leave no objects behind (a leaked frame
@@ -180,6 +287,17 @@ def test_no_reference_is_kept_past_a_call() -> None:
                                      [("obj", 0, "lib")], shared, {}, 1 << 20, FrameSource)
             _speedups.merge_trampolines(ips, (*sps[:-1], 0), tramps, starts, ends, True,
                                         NATIVE_GAP)
+            _speedups.cached_stack(ips, sps, tramps, starts, ends, True, False, NATIVE_GAP,
+                                   found, jit_found, None, ("[t]",), ("k",), (None,))
+            hit = _speedups.cached_stack((BASE + 0x1000 + 15, *ips[2:50]), sps[1:50], (), [],
+                                         [], False, False, NATIVE_GAP, found, {}, None,
+                                         ("[t]",), ("k",), (None,))
+            assert type(hit) is tuple
+            # Each call finds the shared names anew (its own empty cache).
+            assert type(_speedups.cached_stack(
+                ips, sps, tramps, starts, ends, False, True, NATIVE_GAP, {}, jit_found,
+                ([BASE], [BASE + 0x1000 + 16 * 30], [("obj", 0, "lib")], shared, 1 << 20,
+                 FrameSource), (), (), ())) is list
 
     calls()
     _, grown = traced_bytes(calls)

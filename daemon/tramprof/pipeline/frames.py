@@ -12,8 +12,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
 
+from tramprof import speedups
 from tramprof.model import (
     KERNEL_LOST,
+    NATIVE_GAP,
     PROCESS_EXITED,
     TRUNCATED,
     UNKNOWN_KERNEL,
@@ -22,8 +24,9 @@ from tramprof.model import (
     RawSample,
 )
 from tramprof.sampler import layout
+from tramprof.symbols.images import SharedPass
 from tramprof.unwind.arenas import Arenas
-from tramprof.unwind.merge import is_truncated, user_addresses
+from tramprof.unwind.merge import is_truncated, merge_arguments, user_addresses
 
 # address -> name; the user resolver belongs to one process image.
 UserResolver = Callable[[int], str]
@@ -89,8 +92,12 @@ def located_frames(sample: RawSample, user: UserResolver | None,
 
 def named_frames(sample: RawSample, user: UserNamer | None, kernel: KernelResolver,
                  failures: Counter[str], stubs: Arenas | None = None,
+                 addresses: list[int | str] | None = None,
+                 kernel_frames: tuple[tuple[str, ...], Sources] | None = None,
                  ) -> tuple[tuple[str, ...], Sources]:
-    """``located_frames`` with the user frames named by a whole stack at once."""
+    """``located_frames`` with the user frames named by a whole stack at once.
+    ``addresses`` (``user_addresses``) and ``kernel_frames``
+    (``kernel_part``), when given, are those worked out already."""
     frames: list[str] = []
     sources: list[FrameSource | None] = []
     if not sample.user_flags & layout.USTACK_NO_USER:
@@ -101,17 +108,58 @@ def named_frames(sample: RawSample, user: UserNamer | None, kernel: KernelResolv
             frames.append(PROCESS_EXITED)
             sources.append(None)
         else:
-            names, where = user(user_addresses(sample, stubs))
+            names, where = user(user_addresses(sample, stubs) if addresses is None
+                                else addresses)
             frames.extend(reversed(names))
             sources.extend(reversed(where))
+    kernel_names, kernel_sources = kernel_part(sample, kernel, failures) \
+        if kernel_frames is None else kernel_frames
+    frames.extend(kernel_names)
+    sources.extend(kernel_sources)
+    return tuple(frames), tuple(sources)
+
+
+def kernel_part(sample: RawSample, kernel: KernelResolver, failures: Counter[str]
+                ) -> tuple[tuple[str, ...], Sources]:
+    """The kernel frames of a sample, root first, and where their code is;
+    a lost kernel part ends in one marker."""
     ips = sample.kernel_ips
+    if not ips and not sample.kernel_error:
+        return (), ()
+    frames = symbolize_kernel(ips, kernel, failures) if ips else []
+    # Looked up as symbolize_kernel does: callers one byte back.
+    sources: list[FrameSource | None] = [_kernel_source(ip - 1) for ip in ips[:0:-1]]
     if ips:
-        frames.extend(symbolize_kernel(ips, kernel, failures))
-        # Looked up as symbolize_kernel does: callers one byte back.
-        kernel_sources = [_kernel_source(ip - 1) for ip in ips[:0:-1]]
-        kernel_sources.append(_kernel_source(ips[0]))
-        sources.extend(kernel_sources)
+        sources.append(_kernel_source(ips[0]))
     if sample.kernel_error:
         frames.append(KERNEL_LOST)
         sources.append(None)
     return tuple(frames), tuple(sources)
+
+
+# Frames, places, and how many frames the JIT cache and the names other
+# processes found named, of a stack named without lookups.
+CachedFrames = tuple[tuple[str, ...], Sources, int, int]
+
+
+def cached_frames(sample: RawSample, caches: tuple[dict[int, tuple[str, FrameSource]],
+                                                   dict[int, tuple[str, FrameSource]],
+                                                   SharedPass | None],
+                  stubs: Arenas | None, kernel_frames: tuple[tuple[str, ...], Sources]
+                  ) -> CachedFrames | list[int | str] | None:
+    """``named_frames`` of a sample whose user frames its process image's
+    caches (``ProcessImage.caches``) name, or the names other processes
+    found, in one compiled call. When one is left: its lookup addresses
+    (name it with ``named_frames``, which takes them); None when the
+    compiled pass does not take the sample (``named_frames`` alone)."""
+    compiled = speedups.compiled
+    if compiled is None or sample.user_flags & layout.USTACK_NO_USER:
+        return None
+    arguments = merge_arguments(sample, stubs)
+    if arguments is None:
+        return None
+    head = _TRUNCATED if is_truncated(sample) else ()
+    return compiled.cached_stack(*arguments, NATIVE_GAP, *caches, head, *kernel_frames)
+
+
+_TRUNCATED = (TRUNCATED,)

@@ -2,8 +2,9 @@
 
 Samples come sorted by process image, so each image is looked up once per
 drain. A raw stack named in one of the last drains is found again whole
-(``pipeline.stackcache``); the rest are named frame by frame
-(``pipeline.frames``).
+(``pipeline.stackcache``); the rest are named by one compiled pass over the
+whole stack where the image's caches and the names other processes found
+name every frame, else frame by frame (``pipeline.frames``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tramprof.model import FrameSource, RawSample, Stack
-from tramprof.pipeline.frames import KernelResolver, named_frames
+from tramprof.pipeline.frames import KernelResolver, cached_frames, kernel_part, named_frames
 from tramprof.pipeline.stackcache import ImageStacks, NamedStack, StackCache, stack_key
 from tramprof.symbols.images import ProcessImage
 from tramprof.unwind.arenas import Arenas
@@ -42,7 +43,7 @@ class _Naming:
     stacks: ImageStacks | None  # its stacks named in the last drains
 
 
-class _CountingNamer:
+class CountingNamer:
     """``ProcessImage.name_frames`` that keeps whether the image's caches
     alone named the stack (``jit_hits`` then: else None)."""
 
@@ -131,12 +132,27 @@ class StackNamer:
                         failures["kernel_no_symbol"] += found.kernel_misses
                     return found
         self.cache.named += 1
-        namer = None if image is None else _CountingNamer(image)
         misses = failures["kernel_no_symbol"]
-        frames, sources = named_frames(sample, namer, self._kernel, failures, naming.stubs)
-        jit_hits = None if namer is None else namer.jit_hits
-        named = NamedStack(frames, sources, jit_hits or 0,
-                           failures["kernel_no_symbol"] - misses)
-        if key is not None and stacks is not None and jit_hits is not None:
+        kernel_frames = kernel_part(sample, self._kernel, failures)
+        kernel_misses = failures["kernel_no_symbol"] - misses
+        addresses = None
+        if image is not None:
+            cached = cached_frames(sample, image.caches(), naming.stubs, kernel_frames)
+            if isinstance(cached, tuple):
+                frames, sources, jit_hits, shared_hits = cached
+                image.count_jit_hits(jit_hits)
+                named = NamedStack(frames, sources, jit_hits, kernel_misses)
+                # As name_frames_cached keeps it: names found past the
+                # image's own caches are found there next time.
+                if key is not None and stacks is not None and not shared_hits:
+                    stacks.put(key, named)
+                return named
+            addresses = cached
+        namer = None if image is None else CountingNamer(image)
+        frames, sources = named_frames(sample, namer, self._kernel, failures, naming.stubs,
+                                       addresses, kernel_frames)
+        cached_hits = None if namer is None else namer.jit_hits
+        named = NamedStack(frames, sources, cached_hits or 0, kernel_misses)
+        if key is not None and stacks is not None and cached_hits is not None:
             stacks.put(key, named)
         return named

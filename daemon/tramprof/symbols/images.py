@@ -58,6 +58,11 @@ _Value = TypeVar("_Value")
 _Answer = tuple[str, FrameSource]
 # One frame as named: a marker or an address outside code has no place.
 _Named = tuple[str, FrameSource | None]
+#: What the compiled shared-name pass takes besides a stack and its answers:
+#: segment starts and ends, each segment's (key, bias, mapped file), the
+#: names found by any process, the cache's bound, and how a place is made.
+SharedPass = tuple[list[int], list[int], list[tuple[str, int, MappedFile]],
+                   dict[tuple[str, int], str], int, type[FrameSource]]
 
 
 def _remember(cache: dict[int, _Value], addr: int, value: _Value) -> bool:
@@ -223,6 +228,21 @@ class ProcessImage:
             jit_hits = files_missed - found.count(None)
         return found, jit_hits, found.index(None) if None in found else -1
 
+    def caches(self) -> tuple[dict[int, _Answer], dict[int, _Answer], SharedPass | None]:
+        """What a pass that names a whole stack reads, as ``name_frames_cached``
+        reads it: the address caches of file code and of named JIT code
+        (emptied first where their answers may be void), and the arguments
+        of the compiled shared-name pass for the misses (None: no pass)."""
+        symbolizer = self._validate_caches()
+        if symbolizer is None:
+            return self.found, self.jit_found, None
+        segments = self._segments(symbolizer)
+        if not segments.los:
+            return self.found, self.jit_found, None
+        return self.found, self.jit_found, (
+            segments.los, segments.his, segments.entries, symbolizer.shared_names,
+            MAX_CACHED_ADDRESSES, FrameSource)
+
     def naming_state(self) -> tuple[int, int, int]:
         """What the cached answers depend on: while it stays the same, the
         caches give the same names and places for the same addresses (the
@@ -275,15 +295,20 @@ class ProcessImage:
         in place and cached as ``_look_up`` caches them: how many it answered
         (0 also when it took none: ``_look_up`` then finds them)."""
         compiled = speedups.compiled
-        segments = self._shared_segments
-        if segments is None or segments.generation != symbolizer.direct_generation:
-            segments = self._shared_segments = _SharedSegments.of(self, symbolizer)
+        segments = self._segments(symbolizer)
         if compiled is None or not segments.los:
             return 0
         answered = compiled.shared_answers(
             addresses, found, segments.los, segments.his, segments.entries,
             symbolizer.shared_names, self.found, MAX_CACHED_ADDRESSES, FrameSource)
         return answered or 0
+
+    def _segments(self, symbolizer: ProcessSymbolizer) -> _SharedSegments:
+        """The symbolizer's direct segments as the shared-name pass takes them."""
+        segments = self._shared_segments
+        if segments is None or segments.generation != symbolizer.direct_generation:
+            segments = self._shared_segments = _SharedSegments.of(self, symbolizer)
+        return segments
 
     def _look_up(self, symbolizer: ProcessSymbolizer, addr: int
                  ) -> tuple[str, FrameSource | None]:
