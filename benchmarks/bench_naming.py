@@ -1,6 +1,9 @@
 """What naming one drained stack costs the daemon once its process's caches
-know every address (the steady state of a busy node), with the compiled
-passes (``tramprof._speedups``) and in Python alone, side by side.
+know every address (the steady state of a busy node), or every address but
+the leaf's pc, which the names other processes found give (a busy node's
+processes mostly sample a leaf pc they never sampled): by the compiled
+whole-stack pass, by the compiled passes a frame, and in Python alone, side
+by side.
 
 A ``python3`` process (asleep) gives the native frames: ``--pool`` addresses
 with a function name in its mapped executable files, named once so that they
@@ -14,9 +17,9 @@ sample is named through ``StackNamer.name``, the daemon's path; each drain
 has a new stack cache, so no stack is found again whole.
 
 Reported: CPU per stack (``time.process_time``, least of ``--rounds`` rounds,
-both passes in each round) for the whole naming and for its two per-frame
-passes alone (``user_addresses``, ``ProcessImage.name_frames_cached``), and
-the ratio compiled / Python.
+every way in each round) for the whole naming, for the two per-frame passes
+alone (``user_addresses``, ``ProcessImage.name_frames_cached``), and the
+ratio whole-stack pass / passes a frame.
 
     .venv/bin/python benchmarks/bench_naming.py [--stacks 1000] [--rounds 7]
 """
@@ -30,6 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import has_function_name, new_image, sleepers
 from tramprof import speedups
 from tramprof.model import FrameSource, RawSample
+from tramprof.pipeline import naming
 from tramprof.pipeline.naming import StackNamer
 from tramprof.symbols.images import ProcessImage, ProcessRegistry
 from tramprof.unwind import merge
@@ -98,6 +103,19 @@ class OneImage:
 
 
 @contextmanager
+def whole_stack(on: bool) -> Iterator[None]:
+    """Off: the namer names every stack by the passes a frame (the compiled
+    whole-stack pass declines every sample)."""
+    saved = naming.cached_frames
+    if not on:
+        naming.cached_frames = lambda *_args: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        naming.cached_frames = saved
+
+
+@contextmanager
 def compiled(on: bool) -> Iterator[None]:
     saved = speedups.compiled
     if not on:
@@ -138,40 +156,62 @@ def main(argv: list[str]) -> int:
         lookups = [merge.user_addresses(s, stubs) for s in samples]
         for addresses in lookups:  # every address cached
             image.name_frames_cached(addresses)
-        modes = {"compiled": True, "python": False}
+        leaves = {s.user_ips[0] for s in samples}  # a leaf's pc is its ip
+        # Named by the whole-stack pass, by the passes a frame (compiled), and
+        # in Python alone.
+        modes = {"whole": (True, True), "a pass a frame": (True, False),
+                 "python": (False, False)}
         best: dict[tuple[str, str], float] = {}
 
         def keep(key: tuple[str, str], value: float) -> None:
             best[key] = min(best.get(key, float("inf")), value)
 
+        def drain(namer: StackNamer) -> None:
+            [namer.name(s) for s in samples]
+            namer.end_drain()
+
         for _ in range(args.rounds):
-            for label, on in modes.items():
-                with compiled(on):
-                    keep((label, "merge"), per_stack(
-                        lambda: [merge.user_addresses(s, stubs) for s in samples], args.stacks))
-                    keep((label, "caches"), per_stack(
-                        lambda: [image.name_frames_cached(a) for a in lookups], args.stacks))
+            for label, (on, whole) in modes.items():
+                with compiled(on), whole_stack(whole):
+                    if label != "a pass a frame":
+                        keep((label, "merge"), per_stack(
+                            lambda: [merge.user_addresses(s, stubs) for s in samples],
+                            args.stacks))
+                        keep((label, "caches"), per_stack(
+                            lambda: [image.name_frames_cached(a) for a in lookups],
+                            args.stacks))
                     namer = StackNamer(OneImage(image), lambda _pid: stubs, KERNEL.get,
                                        Counter())
-                    keep((label, "whole"), per_stack(
-                        lambda namer=namer: ([namer.name(s) for s in samples],
-                                             namer.end_drain()),
-                        args.stacks))
-        # The same names either way.
-        with compiled(True):
-            on = [image.name_frames_cached(merge.user_addresses(s, stubs)) for s in samples]
-        with compiled(False):
-            off = [image.name_frames_cached(merge.user_addresses(s, stubs)) for s in samples]
-        assert on == off, "the compiled passes named a stack otherwise"
+                    keep((label, "cached"), per_stack(partial(drain, namer), args.stacks))
+                    # Leaves named by other processes only (a busy node's
+                    # processes mostly sample a leaf pc they never did).
+                    for leaf in leaves:
+                        image.found.pop(leaf, None)
+                    namer = StackNamer(OneImage(image), lambda _pid: stubs, KERNEL.get,
+                                       Counter())
+                    keep((label, "leaves"), per_stack(partial(drain, namer), args.stacks))
+        # The same stacks every way.
+        named = {}
+        for label, (on, whole) in modes.items():
+            with compiled(on), whole_stack(whole):
+                for leaf in leaves:
+                    image.found.pop(leaf, None)
+                namer = StackNamer(OneImage(image), lambda _pid: stubs, KERNEL.get, Counter())
+                named[label] = [namer.name(s) for s in samples]
+        assert named["whole"] == named["a pass a frame"] == named["python"], \
+            "the compiled passes named a stack otherwise"
     frames = sum(len(a) for a in lookups) / len(lookups)
     print(f"{args.stacks} distinct stacks per drain ({frames:.0f} lookup frames each on "
-          f"average, 3 in 5 Python under trampolines), every address cached; CPU per stack, "
-          f"least of {args.rounds} rounds:")
-    print(f"  {'':28} {'compiled':>9} {'python':>9} {'ratio':>6}")
+          f"average, 3 in 5 Python under trampolines); CPU per stack, least of "
+          f"{args.rounds} rounds:")
+    print(f"  {'':34} {'whole':>9} {'a frame':>9} {'python':>9}  whole / a frame")
     for part, what in (("merge", "user_addresses"), ("caches", "name_frames_cached"),
-                       ("whole", "StackNamer.name (all)")):
-        on_s, off_s = best[("compiled", part)], best[("python", part)]
-        print(f"  {what:28} {on_s * 1e6:7.2f}us {off_s * 1e6:7.2f}us {on_s / off_s:6.2f}")
+                       ("cached", "StackNamer.name, all cached"),
+                       ("leaves", "StackNamer.name, leaf shared")):
+        row = [best.get((label, part)) for label in modes]
+        cells = " ".join("        -" if t is None else f"{t * 1e6:7.2f}us" for t in row)
+        ratio = f"{row[0] / row[1]:6.2f}" if row[1] is not None else ""
+        print(f"  {what:34} {cells}  {ratio}")
     return 0
 
 
