@@ -12,14 +12,19 @@ import os
 import shutil
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tramprof.model import NATIVE_GAP
+from tramprof import speedups
+from tramprof.model import NATIVE_GAP, RawSample
+from tramprof.pipeline import frames
 from tramprof.procfs.identity import read_stat
 from tramprof.procfs.maps import Mapping, memory_thread, process_exited, read_maps
+from tramprof.sampler import layout
 from tramprof.symbols import elf as elf_module
 from tramprof.symbols import usersyms as usersyms_module
 from tramprof.symbols.elf import ElfCache, ElfSymbols
@@ -293,6 +298,53 @@ def test_the_compiled_pass_names_from_other_processes_as_lookup_does(
         stack = [static2 + 1, leaf2, NATIVE_GAP, leaf2 + 3]
         assert fresh.name_frames_cached(stack)[:2] == python.name_frames_cached(tuple(stack))[:2]
         assert asked_for == [static2 + 1]
+    assert stats.total() == 0
+
+
+@needs_speedups
+def test_the_whole_stack_pass_names_from_other_processes_as_lookup_does(
+        bins: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sample of a second process, named by the compiled whole-stack pass,
+    gets the names the first process found without asking the symbolizer:
+    the frames, places and cache entries that the Python lookups give it,
+    and it counts them as found past the image's own caches (then as its
+    own); an address nobody named yet leaves the stack to the lookups."""
+    cache, stats = ElfCache(), SymbolizationStats()
+    with running(bins["pie"]) as (p1, (leaf1, _)), \
+            running(bins["pie"]) as (p2, (leaf2, static2)):
+        assert ProcessSymbolizer(p1.pid, cache, stats).resolve(leaf1) == "tramprof_unit_leaf"
+
+        def image() -> ProcessImage:
+            made = ProcessImage(symbolizer=ProcessSymbolizer(p2.pid, cache, stats))
+            assert made.lookup(static2 + 1)[0] == "tramprof_unit_static"  # a direct segment
+            return made
+
+        whole, python = image(), image()
+        # The caller's return address is one past its call; the table walk stopped.
+        sample = RawSample(tgid=p2.pid, start_boottime_ns=1, exec_id=1, comm="pie",
+                           user_ips=(leaf2, static2 + 2), user_sps=(0x100, 0x200),
+                           user_flags=layout.TABLE_STOP, kernel_ips=(), trampoline_frames=(),
+                           kernel_error=0, count=1)
+
+        def asked(self: ProcessSymbolizer, addr: int) -> None:
+            raise AssertionError("asked the symbolizer")
+
+        with monkeypatch.context() as patched:  # the compiled pass alone answers
+            patched.setattr(ProcessSymbolizer, "shared_lookup", asked)
+            patched.setattr(ProcessSymbolizer, "lookup", asked)
+            named = frames.cached_frames(sample, whole.caches(), None, ((), ()))
+        with monkeypatch.context() as patched:
+            patched.setattr(speedups, "compiled", None)
+            expected = frames.named_frames(sample, python.name_frames, lambda _a: None,
+                                           Counter())
+        assert expected[0] == (NATIVE_GAP, "tramprof_unit_static", "tramprof_unit_leaf")
+        assert named == (*expected, 0, 1)  # one frame from the names shared
+        assert whole.found == python.found
+        assert frames.cached_frames(sample, whole.caches(), None, ((), ())) == \
+            (*expected, 0, 0)  # now its own
+        unnamed = replace(sample, user_ips=(leaf2 + 3, static2 + 2))
+        assert frames.cached_frames(unnamed, whole.caches(), None, ((), ())) == \
+            [leaf2 + 3, static2 + 1, NATIVE_GAP]
     assert stats.total() == 0
 
 
