@@ -200,6 +200,44 @@ merge_trampolines(PyObject *self, PyObject *args)
     return merged_list(ips, sps, tramps, starts, ends, incomplete, gap);
 }
 
+/* The cache passes over addresses (ints and strs only: their lookups run
+ * no Python code): a new list of each one's answer in found, else in
+ * jit_found (counted in *jit_hits), else None; *first_miss is the first
+ * None's index (-1: none) and *misses counts the ints among them. NULL with
+ * an exception set on failure. */
+static PyObject *
+answers_in(PyObject *addresses, PyObject *found, PyObject *jit_found, Py_ssize_t *jit_hits,
+           Py_ssize_t *first_miss, Py_ssize_t *misses)
+{
+    Py_ssize_t n = PyList_GET_SIZE(addresses);
+    *jit_hits = *misses = 0;
+    *first_miss = -1;
+    PyObject *answers = PyList_New(n);
+    if (answers == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *addr = PyList_GET_ITEM(addresses, i);
+        PyObject *answer = PyDict_GetItemWithError(found, addr);
+        if (answer == NULL && !PyErr_Occurred()) {
+            answer = PyDict_GetItemWithError(jit_found, addr);
+            if (answer != NULL)
+                (*jit_hits)++;
+        }
+        if (answer == NULL) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(answers);
+                return NULL;
+            }
+            answer = Py_None;
+            if (*first_miss < 0)
+                *first_miss = i;
+            *misses += !PyUnicode_CheckExact(addr);
+        }
+        PyList_SET_ITEM(answers, i, Py_NewRef(answer));
+    }
+    return answers;
+}
+
 /*
  * cached_answers(addresses, found, jit_found) -> (answers, jit_hits, first_miss)
  *
@@ -216,34 +254,15 @@ cached_answers(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &addresses, &PyDict_Type, &found,
                           &PyDict_Type, &jit_found))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(addresses), first_miss = -1, jit_hits = 0;
+    Py_ssize_t n = PyList_GET_SIZE(addresses), first_miss, jit_hits, misses;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *addr = PyList_GET_ITEM(addresses, i);
         if (!PyLong_CheckExact(addr) && !PyUnicode_CheckExact(addr))
             Py_RETURN_NONE;
     }
-    PyObject *answers = PyList_New(n);
+    PyObject *answers = answers_in(addresses, found, jit_found, &jit_hits, &first_miss, &misses);
     if (answers == NULL)
         return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *addr = PyList_GET_ITEM(addresses, i);
-        PyObject *answer = PyDict_GetItemWithError(found, addr);
-        if (answer == NULL && !PyErr_Occurred()) {
-            answer = PyDict_GetItemWithError(jit_found, addr);
-            if (answer != NULL)
-                jit_hits++;
-        }
-        if (answer == NULL) {
-            if (PyErr_Occurred()) {
-                Py_DECREF(answers);
-                return NULL;
-            }
-            answer = Py_None;
-            if (first_miss < 0)
-                first_miss = i;
-        }
-        PyList_SET_ITEM(answers, i, Py_NewRef(answer));
-    }
     return Py_BuildValue("(Nnn)", answers, jit_hits, first_miss);
 }
 
@@ -668,26 +687,11 @@ cached_stack(PyObject *self, PyObject *args)
     }
     /* The merged list holds ints and the gap only: their hashes and
      * comparisons run no Python code. */
-    Py_ssize_t n = PyList_GET_SIZE(merged), jit_hits = 0, misses = 0, shared_hits = 0;
-    PyObject *answers = PyList_New(n), *frames = NULL, *sources = NULL, *result = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(merged), jit_hits, first_miss, misses, shared_hits = 0;
+    PyObject *frames = NULL, *sources = NULL, *result = NULL;
+    PyObject *answers = answers_in(merged, found, jit_found, &jit_hits, &first_miss, &misses);
     if (answers == NULL)
         goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *addr = PyList_GET_ITEM(merged, i);
-        PyObject *answer = PyDict_GetItemWithError(found, addr);
-        if (answer == NULL && !PyErr_Occurred()) {
-            answer = PyDict_GetItemWithError(jit_found, addr);
-            if (answer != NULL)
-                jit_hits++;
-        }
-        if (answer == NULL) {
-            if (PyErr_Occurred())
-                goto done;
-            answer = Py_None;
-            misses += !PyUnicode_CheckExact(addr);
-        }
-        PyList_SET_ITEM(answers, i, Py_NewRef(answer));
-    }
     if (misses && los != NULL) {
         shared_hits = fill_shared(merged, answers, los, his, entries, names, found, max_found,
                                   frame_source);
