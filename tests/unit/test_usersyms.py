@@ -239,6 +239,28 @@ def test_a_warmed_process_names_from_others_before_its_first_lookup(
     assert stats.total() == 0
 
 
+@contextmanager
+def second_of_a_program(bins: dict[str, Path]) -> Iterator[
+        tuple[tuple[subprocess.Popen[str], list[int]], Callable[[bool], ProcessImage]]]:
+    """Two processes of one program, sharing one ELF cache, the first having
+    named its leaf: the second (as ``running`` yields it) and a maker of its
+    images (``warm``: with its static function looked up, a direct segment).
+    No symbolization may fail meanwhile."""
+    cache, stats = ElfCache(), SymbolizationStats()
+    with running(bins["pie"]) as (p1, (leaf1, _)), running(bins["pie"]) as second:
+        assert ProcessSymbolizer(p1.pid, cache, stats).resolve(leaf1) == "tramprof_unit_leaf"
+        p2, (_leaf2, static2) = second
+
+        def image(warm: bool = True) -> ProcessImage:
+            made = ProcessImage(symbolizer=ProcessSymbolizer(p2.pid, cache, stats))
+            if warm:
+                assert made.lookup(static2 + 1)[0] == "tramprof_unit_static"
+            return made
+
+        yield second, image
+    assert stats.total() == 0
+
+
 @needs_speedups
 def test_the_compiled_pass_names_from_other_processes_as_lookup_does(
         bins: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -246,16 +268,8 @@ def test_the_compiled_pass_names_from_other_processes_as_lookup_does(
     the names the first process found without a search, with the places,
     cache entries and "looked up" answer that the Python lookups give the
     same stack; an address nobody named yet is searched once, then shared."""
-    cache, stats = ElfCache(), SymbolizationStats()
-    with running(bins["pie"]) as (p1, (leaf1, _)), \
-            running(bins["pie"]) as (p2, (leaf2, static2)):
-        assert ProcessSymbolizer(p1.pid, cache, stats).resolve(leaf1) == "tramprof_unit_leaf"
-
-        def image() -> ProcessImage:
-            made = ProcessImage(symbolizer=ProcessSymbolizer(p2.pid, cache, stats))
-            assert made.lookup(static2 + 1)[0] == "tramprof_unit_static"  # a direct segment
-            return made
-
+    with second_of_a_program(bins) as (second, image):
+        _, (leaf2, static2) = second
         compiled, python = image(), image()
         stack = [leaf2, NATIVE_GAP, leaf2, static2 + 1]
         searches: list[int] = []
@@ -286,7 +300,7 @@ def test_the_compiled_pass_names_from_other_processes_as_lookup_does(
 
         # A new image's first stack: its first lookup makes the segment, and
         # the compiled pass names the rest of the stack from there.
-        fresh = ProcessImage(symbolizer=ProcessSymbolizer(p2.pid, cache, stats))
+        fresh = image(False)
         asked_for: list[int] = []
         shared_lookup = ProcessSymbolizer.shared_lookup
 
@@ -298,7 +312,6 @@ def test_the_compiled_pass_names_from_other_processes_as_lookup_does(
         stack = [static2 + 1, leaf2, NATIVE_GAP, leaf2 + 3]
         assert fresh.name_frames_cached(stack)[:2] == python.name_frames_cached(tuple(stack))[:2]
         assert asked_for == [static2 + 1]
-    assert stats.total() == 0
 
 
 @needs_speedups
@@ -309,16 +322,8 @@ def test_the_whole_stack_pass_names_from_other_processes_as_lookup_does(
     the frames, places and cache entries that the Python lookups give it,
     and it counts them as found past the image's own caches (then as its
     own); an address nobody named yet leaves the stack to the lookups."""
-    cache, stats = ElfCache(), SymbolizationStats()
-    with running(bins["pie"]) as (p1, (leaf1, _)), \
-            running(bins["pie"]) as (p2, (leaf2, static2)):
-        assert ProcessSymbolizer(p1.pid, cache, stats).resolve(leaf1) == "tramprof_unit_leaf"
-
-        def image() -> ProcessImage:
-            made = ProcessImage(symbolizer=ProcessSymbolizer(p2.pid, cache, stats))
-            assert made.lookup(static2 + 1)[0] == "tramprof_unit_static"  # a direct segment
-            return made
-
+    with second_of_a_program(bins) as (second, image):
+        p2, (leaf2, static2) = second
         whole, python = image(), image()
         # The caller's return address is one past its call; the table walk stopped.
         sample = RawSample(tgid=p2.pid, start_boottime_ns=1, exec_id=1, comm="pie",
@@ -345,7 +350,6 @@ def test_the_whole_stack_pass_names_from_other_processes_as_lookup_does(
         unnamed = replace(sample, user_ips=(leaf2 + 3, static2 + 2))
         assert frames.cached_frames(unnamed, whole.caches(), None, ((), ())) == \
             [leaf2 + 3, static2 + 1, NATIVE_GAP]
-    assert stats.total() == 0
 
 
 @needs_root
