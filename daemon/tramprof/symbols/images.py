@@ -234,14 +234,8 @@ class ProcessImage:
         (emptied first where their answers may be void), and the arguments
         of the compiled shared-name pass for the misses (None: no pass)."""
         symbolizer = self._validate_caches()
-        if symbolizer is None:
-            return self.found, self.jit_found, None
-        segments = self._segments(symbolizer)
-        if not segments.los:
-            return self.found, self.jit_found, None
-        return self.found, self.jit_found, (
-            segments.los, segments.his, segments.entries, symbolizer.shared_names,
-            MAX_CACHED_ADDRESSES, FrameSource)
+        shared = None if symbolizer is None else self._segments(symbolizer).shared
+        return self.found, self.jit_found, shared
 
     def naming_state(self) -> tuple[int, int, int]:
         """What the cached answers depend on: while it stays the same, the
@@ -295,16 +289,17 @@ class ProcessImage:
         in place and cached as ``_look_up`` caches them: how many it answered
         (0 also when it took none: ``_look_up`` then finds them)."""
         compiled = speedups.compiled
-        segments = self._segments(symbolizer)
-        if compiled is None or not segments.los:
+        shared = self._segments(symbolizer).shared
+        if compiled is None or shared is None:
             return 0
-        answered = compiled.shared_answers(
-            addresses, found, segments.los, segments.his, segments.entries,
-            symbolizer.shared_names, self.found, MAX_CACHED_ADDRESSES, FrameSource)
+        los, his, entries, names, max_found, frame_source = shared
+        answered = compiled.shared_answers(addresses, found, los, his, entries, names,
+                                           self.found, max_found, frame_source)
         return answered or 0
 
     def _segments(self, symbolizer: ProcessSymbolizer) -> _SharedSegments:
-        """The symbolizer's direct segments as the shared-name pass takes them."""
+        """The symbolizer's direct segments as the shared-name pass takes
+        them, made again when they changed."""
         segments = self._shared_segments
         if segments is None or segments.generation != symbolizer.direct_generation:
             segments = self._shared_segments = _SharedSegments.of(self, symbolizer)
@@ -346,21 +341,23 @@ class ProcessImage:
 
 @dataclass(slots=True)
 class _SharedSegments:
-    """A symbolizer's direct segments as ``_speedups.shared_answers`` takes
-    them: starts, ends, and each one's (key, bias, mapped file)."""
+    """A symbolizer's direct segments as ``_speedups.shared_answers`` and
+    ``cached_stack`` take them, made once a segment generation: starts,
+    ends, each one's (key, bias, mapped file), and the rest of a
+    ``SharedPass`` (None: no segments, no pass)."""
 
     generation: int  # the symbolizer's direct_generation they were made at
-    los: list[int]
-    his: list[int]
-    entries: list[tuple[str, int, MappedFile]]
+    shared: SharedPass | None
 
     @classmethod
     def of(cls, image: ProcessImage, symbolizer: ProcessSymbolizer) -> _SharedSegments:
         segments = symbolizer.direct_segments()
-        return cls(symbolizer.direct_generation, [s.lo for s in segments],
-                   [s.hi for s in segments],
-                   [(s.key, s.bias, image._mapped_file(symbolizer, s.mapping))
-                    for s in segments])
+        if not segments:
+            return cls(symbolizer.direct_generation, None)
+        return cls(symbolizer.direct_generation, (
+            [s.lo for s in segments], [s.hi for s in segments],
+            [(s.key, s.bias, image._mapped_file(symbolizer, s.mapping)) for s in segments],
+            symbolizer.shared_names, MAX_CACHED_ADDRESSES, FrameSource))
 
 
 @dataclass
