@@ -63,15 +63,13 @@ MODE_REFRESH_SHARE = 0.05
 # exited first sends no process-level exit event) at a stat read per held
 # process, a tenth of a busy node's drain if done at every drain.
 RESYNC_SECONDS = 30.0
-# Lifecycle events are read at least this often (seconds); the kernel keeps
+# Lifecycle events are read once this often (seconds) between drains, and at
+# every drain: they take effect after the next drain anyway. The kernel keeps
 # thousands meanwhile (procfs.events: a receive buffer of up to 8 MiB), and
-# an overflow is counted and answered by a /proc rescan.
+# an overflow is counted and answered by a /proc rescan. Read less often,
+# each read finds more (a busy node sends 60 a second): every read after a
+# sleep runs cache-cold, several times slower than the same code run again.
 EVENTS_EVERY = 1.0
-# ... and at most this often between drains (every drain reads them too): a
-# busy node wakes the loop ten times a second for newly sampled processes,
-# and each read that finds a few events costs a system call per event
-# (measured there: ~75 us a read).
-EVENTS_AT_MOST_EVERY = 0.25
 
 
 def sampler_config(config: Config) -> SamplerConfig:
@@ -229,9 +227,9 @@ class Profiler:
 
     def event_fds(self) -> list[int]:
         """Descriptors to wait on: newly sampled processes. Lifecycle events
-        take effect after the next drain anyway: they are read on every wake
-        (at least every ``EVENTS_EVERY`` s), not woken for (a host starting
-        20 processes a second sends 60 a second)."""
+        take effect after the next drain anyway: they are read every
+        ``EVENTS_EVERY`` s, not woken for (a host starting 20 processes a
+        second sends 60 a second)."""
         return self.sampler.event_fds()
 
     def wait(self, timeout: float, wake_fds: Sequence[int] = ()) -> None:
@@ -245,7 +243,8 @@ class Profiler:
             # poll, not select: descriptors past 1023 (a busy host's held
             # files push them there) are fine.
             ready = select.poll()
-            for fd in (*self.event_fds(), *wake_fds):
+            event_fds = self.event_fds()
+            for fd in (*event_fds, *wake_fds):
                 ready.register(fd, select.POLLIN)
             timeout = min(timeout, EVENTS_EVERY)
             if self.unwinders.following():
@@ -255,21 +254,26 @@ class Profiler:
                 # At most FOLLOW_EVERY apart: a Python program forking a
                 # hundred children a second must not wake the loop for each.
                 timeout = min(timeout, max(young, FOLLOW_EVERY))
+            woken_by: set[int] | None = None  # None: not known (interrupted)
             with contextlib.suppress(InterruptedError):
-                ready.poll(max(0.0, timeout) * 1000)
-            self.poll_process_events()
+                woken_by = {fd for fd, _events in ready.poll(max(0.0, timeout) * 1000)}
+            # The new-process buffers are read only when they have records:
+            # a read after a sleep costs ~80 us even when it finds none.
+            self.poll_process_events(
+                new_processes=woken_by is None or not woken_by.isdisjoint(event_fds))
         finally:
             self.stats.add_cpu("process_events", time.thread_time() - cpu_began)
 
-    def poll_process_events(self) -> None:
-        """Warm newly sampled processes, queue lifecycle events (applied after
-        the next drain), refresh the unwinding modes when due and follow
-        their newcomers in between."""
+    def poll_process_events(self, new_processes: bool = True) -> None:
+        """Warm newly sampled processes (if ``new_processes``: their buffers
+        have records), queue lifecycle events (applied after the next drain),
+        refresh the unwinding modes when due and follow their newcomers in
+        between."""
         now = time.monotonic()
         read_events = now >= self._next_events_read
         if read_events:
-            self._next_events_read = now + EVENTS_AT_MOST_EVERY
-        resynced = self._handle_process_events(read_events)
+            self._next_events_read = now + EVENTS_EVERY
+        resynced = self._handle_process_events(read_events, new_processes)
         if resynced or time.monotonic() >= self._next_mode_refresh:
             self._refresh_modes(full=resynced)
         elif self.unwinders.following():
@@ -279,11 +283,12 @@ class Profiler:
                 self.errors.by_stage["unwind_refresh"] += 1
                 log.exception("following the unwinding modes' newcomers failed")
 
-    def _handle_process_events(self, read_events: bool = True) -> bool:
-        """Warm newly sampled processes, queue lifecycle events (if
-        ``read_events``); True if the processes were checked against /proc
-        (some may be gone: refresh now)."""
-        for tgid, start, exec_id in self.sampler.new_processes():
+    def _handle_process_events(self, read_events: bool = True,
+                               new_processes: bool = True) -> bool:
+        """Warm newly sampled processes (if ``new_processes``), queue
+        lifecycle events (if ``read_events``); True if the processes were
+        checked against /proc (some may be gone: refresh now)."""
+        for tgid, start, exec_id in self.sampler.new_processes() if new_processes else ():
             if self.errors.backing_off(tgid):
                 continue
             with self.errors.boundary(tgid, "new_process", partial(self._drop, tgid)):
