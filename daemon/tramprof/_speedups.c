@@ -301,6 +301,50 @@ split_pairs(PyObject *self, PyObject *pairs)
 }
 
 /*
+ * mapping_starts(sources) -> set[int] | None
+ *
+ * The start addresses of the mappings a named stack's places lie in: each
+ * place is None or a tuple whose item 1 is None or a mapping tuple whose
+ * item 1 is its start (FrameSource, MappedFile). The unwind tables look at
+ * every drained stack's objects, and the stack's frames mostly lie in a few
+ * mappings one after another (one set insertion for each run of them). None
+ * when sources is not a tuple or list, or an item is not of those kinds:
+ * Python then works it out, and says what is wrong.
+ */
+static PyObject *
+mapping_starts(PyObject *self, PyObject *sources)
+{
+    if (!PyTuple_Check(sources) && !PyList_Check(sources))
+        Py_RETURN_NONE;
+    PyObject *starts = PySet_New(NULL);
+    if (starts == NULL)
+        return NULL;
+    PyObject *last = NULL;  /* the mapping whose start was added last (borrowed) */
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(sources); i++) {
+        PyObject *source = PySequence_Fast_GET_ITEM(sources, i);
+        if (source == Py_None)
+            continue;
+        if (!PyTuple_Check(source) || PyTuple_GET_SIZE(source) < 2)
+            goto odd;
+        PyObject *mapping = PyTuple_GET_ITEM(source, 1);
+        if (mapping == Py_None || mapping == last)
+            continue;
+        if (!PyTuple_Check(mapping) || PyTuple_GET_SIZE(mapping) < 2 ||
+                !PyLong_CheckExact(PyTuple_GET_ITEM(mapping, 1)))
+            goto odd;
+        if (PySet_Add(starts, PyTuple_GET_ITEM(mapping, 1)) < 0) {
+            Py_DECREF(starts);
+            return NULL;
+        }
+        last = mapping;  /* held by the sources, which the caller holds */
+    }
+    return starts;
+odd:
+    Py_DECREF(starts);
+    Py_RETURN_NONE;
+}
+
+/*
  * parse_maps(data, mapping_type) -> [mapping_type(...), ...] | None
  *
  * The lines of a /proc/PID/maps text, in file order, as instances of the
@@ -760,6 +804,8 @@ static PyMethodDef methods[] = {
      "addresses when one misses; None: not the ordinary case)."},
     {"split_pairs", split_pairs, METH_O,
      "A list of pairs as the list of their firsts and the list of their seconds."},
+    {"mapping_starts", mapping_starts, METH_O,
+     "The start addresses of the mappings of a stack's places (None: not all places)."},
     {"parse_maps", parse_maps, METH_VARARGS,
      "The lines of a maps text as mappings, in file order (None: not all kernel lines)."},
     {NULL, NULL, 0, NULL},

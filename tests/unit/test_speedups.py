@@ -11,12 +11,12 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tramprof import speedups
-from tramprof.model import NATIVE_GAP, FrameSource, RawSample
+from tramprof.model import NATIVE_GAP, FrameSource, MappedFile, RawSample
 from tramprof.pipeline import frames
 from tramprof.pipeline.naming import CountingNamer
 from tramprof.sampler import layout
 from tramprof.symbols.images import ProcessImage
-from tramprof.unwind import merge
+from tramprof.unwind import merge, tables
 from tramprof.unwind.arenas import Arenas
 
 from .compiled import _speedups, needs_speedups
@@ -275,9 +275,14 @@ def test_no_reference_is_kept_past_a_call() -> None:
     found = {BASE + 0x1000 + 16 * i - 1: ("f", FrameSource(i)) for i in range(60)}
     jit_found = {BASE + 0x10000 + 64 * i: ("py", FrameSource(i)) for i in range(20)}
     shared = {("obj", BASE + 0x1000 + 16 * i - 1): "s" for i in range(30)}
+    mapped = [MappedFile(f"/lib{i}.so", BASE + i * 0x1000, BASE + (i + 1) * 0x1000, 0)
+              for i in range(3)]
+    places = tuple(FrameSource(BASE + i, mapped[i % 3]) for i in range(96))
 
     def calls() -> None:
         for _ in range(10_000):
+            assert _speedups.mapping_starts(places) == {m.start for m in mapped}
+            assert _speedups.mapping_starts((*places, "odd")) is None
             merged = _speedups.merge_trampolines(ips, sps, tramps, starts, ends, True,
                                                  NATIVE_GAP)
             assert merged is not None
@@ -302,3 +307,54 @@ def test_no_reference_is_kept_past_a_call() -> None:
     calls()
     _, grown = traced_bytes(calls)
     assert grown < 64 * 1024
+
+
+mapped_file = st.builds(MappedFile, st.sampled_from(["/a", "/b", "[vdso]"]),
+                        st.integers(0, U64), st.integers(0, U64), st.integers(0, 1 << 40))
+place = st.one_of(st.none(), st.builds(FrameSource, address, st.none()),
+                  st.builds(FrameSource, address, mapped_file))
+
+
+@needs_speedups
+@settings(max_examples=1000, deadline=None)
+@given(drawn=st.lists(place, max_size=120), runs=st.booleans(), as_list=st.booleans())
+def test_the_mapping_starts_of_a_stack_are_python_s(drawn: list[FrameSource | None],
+                                                    runs: bool, as_list: bool) -> None:
+    """The compiled set of a stack's mapping starts is the set comprehension's,
+    for places in runs of one mapping object (as a stack's frames are) or
+    each with its own."""
+    if runs:  # consecutive places share the mapping object, as named stacks do
+        drawn = [p if p is None or i == 0 or drawn[i - 1] is None or drawn[i - 1].mapping is None
+                 else p._replace(mapping=drawn[i - 1].mapping) for i, p in enumerate(drawn)]
+    sources = drawn if as_list else tuple(drawn)
+    expected = {s.mapping.start for s in drawn if s is not None and s.mapping is not None}
+    assert _speedups.mapping_starts(sources) == expected
+    assert tables.mapping_starts(sources) == expected
+
+
+@needs_speedups
+def test_the_mapping_starts_leave_odd_places_to_python() -> None:
+    """A place or mapping of another kind makes the compiled pass decline (None)
+    and the Python comprehension answer, or say what is wrong; an iterator is
+    not consumed by the compiled pass."""
+    lib = MappedFile("/lib.so", BASE, BASE + 0x1000, 0)
+
+    class Start(int):
+        pass
+
+    odd_start = MappedFile("/odd.so", Start(7), 9, 0)
+    assert _speedups.mapping_starts((FrameSource(1, odd_start),)) is None
+    assert tables.mapping_starts((FrameSource(1, odd_start),)) == {7}
+    assert _speedups.mapping_starts((FrameSource(1, lib), (2,))) is None
+    assert _speedups.mapping_starts((FrameSource(1, (BASE,)),)) is None
+    assert _speedups.mapping_starts("not places") is None
+    assert _speedups.mapping_starts(()) == set()
+    places = iter([FrameSource(1, lib), None])
+    assert _speedups.mapping_starts(places) is None  # type: ignore[arg-type]
+    assert tables.mapping_starts(places) == {BASE}
+    try:
+        tables.mapping_starts((FrameSource(1, lib), "odd"))  # type: ignore[arg-type]
+    except AttributeError as err:
+        assert "mapping" in str(err)
+    else:
+        raise AssertionError("an odd place was taken")

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol
 
+from tramprof import speedups
 from tramprof.model import FrameSource
 from tramprof.procfs.maps import Mapping
 from tramprof.sampler import layout
@@ -198,6 +199,18 @@ class BuildWorker:
         self._queue.put(None)
 
 
+def mapping_starts(sources: Iterable[FrameSource | None]) -> set[int]:
+    """The start addresses of the mappings ``sources`` lie in (compiled: a
+    drained stack's ~100 places cost ~6 us in Python, against ~0.5)."""
+    compiled = speedups.compiled
+    starts = None if compiled is None or not isinstance(sources, (tuple, list)) \
+        else compiled.mapping_starts(sources)
+    if starts is None:
+        starts = {source.mapping.start for source in sources
+                  if source is not None and source.mapping is not None}
+    return starts
+
+
 class TableMode:
     """Unwind tables for the objects sampled processes spend time in."""
 
@@ -245,8 +258,7 @@ class TableMode:
         if proc is None or not proc.index_of:
             return
         index_of, noted, now = proc.index_of, proc.noted, self._now()
-        for start in {source.mapping.start for source in sources
-                      if source is not None and source.mapping is not None}:
+        for start in mapping_starts(sources):
             at = index_of.get(start)
             if at is None or at in noted:
                 continue
