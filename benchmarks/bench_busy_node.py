@@ -36,7 +36,11 @@ programs keep meeting new return addresses, so a steady RSS read before may
 not be where the daemon settles),
 whole-heap collections of the garbage collector in the window (one adds
 ~0.4 s of CPU: the first comes 5 minutes after start, later ones more and
-more rarely, so the CPU is also shown without them); then full ``/metrics``
+more rarely, so the CPU is also shown without them), the process images
+sampled for the first time a second (``tramprof_new_processes_total``: warmed
+while they ran, or gone first; each wakes the daemon's loop, and the main
+thread's process-events CPU is shown per new one: side by side, the daemon
+that reads a new process's /proc files second finds them cache-warm); then full ``/metrics``
 scrape latency (OpenMetrics and gzip, as Prometheus asks) and
 the distinct folded stacks of single drained windows.
 
@@ -97,6 +101,8 @@ HEAP_COLLECTIONS = ("tramprof_heap_full_collections_total",
 TABLE_BUILDS = "tramprof_unwind_table_builds_total"
 #: The main thread's CPU seconds by stage (MAIN_THREAD_STAGES).
 STAGE_CPU = "tramprof_main_thread_cpu_seconds_total"
+#: Newly sampled process images, warmed while they ran or gone first.
+NEW_PROCESSES = "tramprof_new_processes_total"
 #: Addresses the symbol caches hold (Result.address_cache).
 ADDRESS_CACHE = "tramprof_address_cache_entries"
 #: Processes whose address caches were emptied to keep all within their bound.
@@ -370,6 +376,8 @@ class Result:
     # that finished.
     children_cpu_percent: float = 0.0
     table_builds: float = 0.0
+    # Newly sampled process images a second: (warmed, gone before warmed).
+    new_processes: tuple[float, float] | None = None
     # The main thread's CPU by stage, % of a core (empty: the build does not tell).
     stages_percent: dict[str, float] = field(default_factory=dict)
     window_s: float = 0.0
@@ -480,7 +488,7 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
         next_drain(daemon)
     before = [daemon.metrics("tramprof_perf_events_total", "tramprof_stacks_named_total",
                              *HEAP_COLLECTIONS, TABLE_BUILDS, STAGE_CPU, ADDRESS_CACHE,
-                             ADDRESS_CACHE_EVICTIONS)
+                             ADDRESS_CACHE_EVICTIONS, NEW_PROCESSES)
               for daemon in daemons]
     # drains done -> the last one's (wall, CPU) seconds; CPU None from a
     # build that does not export it
@@ -567,6 +575,10 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
                               if k[0] == TABLE_BUILDS)
     result.stages_percent = {dict(k[1])["stage"]: (v - before.get(k, 0.0)) / seconds * 100
                              for k, v in after.items() if k[0] == STAGE_CPU}
+    new = {dict(k[1])["result"]: v - before.get(k, 0.0) for k, v in after.items()
+           if k[0] == NEW_PROCESSES}
+    if new:  # (older builds do not tell)
+        result.new_processes = (new.get("warmed", 0.0) / seconds, new.get("exited", 0.0) / seconds)
     result.series = sum(v for k, v in after.items() if k[0] == "tramprof_series")
     result.processes = after[("tramprof_processes", ())]
     for _ in range(args.scrapes):
@@ -682,6 +694,15 @@ def report(results: list[Result]) -> None:
     row("  of it unwind table builds (children)", [
         f"{r.children_cpu_percent:.2f} ({r.table_builds:.0f} built)" for r in results])
     row("  less both: the steady loop", [f"{r.steady_cpu_percent:.2f}" for r in results])
+    # Every newly sampled process wakes the loop; a wake runs cache-cold.
+    row("new processes / s, warmed / gone", [
+        "n/a" if r.new_processes is None
+        else f"{r.new_processes[0]:.1f} / {r.new_processes[1]:.1f}" for r in results])
+    row("  process events CPU per new, us", [
+        "n/a" if not r.new_processes or not sum(r.new_processes)
+        or "process_events" not in r.stages_percent
+        else f"{r.stages_percent['process_events'] / 100 / sum(r.new_processes) * 1e6:.0f}"
+        for r in results])
     row("drain ms p50 / p99", [f"{median(r.drains_ms):.0f} / "
                                    f"{percentile(r.drains_ms, 0.99):.0f}"
                                    if r.drains_ms else "n/a" for r in results],

@@ -132,10 +132,40 @@ def test_the_new_process_buffers_are_read_when_they_woke_the_loop(targets):
             profiler.wait(1.0, (always,))
         assert target.pid in profiler.registry.pids()
         assert target.poll() is None  # warmed while it ran
+        assert profiler.stats.new_processes["warmed"] >= 1
     finally:
         if target is not None:
             target.kill()
             target.wait()
         os.close(always)
         os.close(writer)
+        profiler.close()
+
+
+def test_a_process_gone_before_it_was_warmed_is_counted(targets):
+    """A process sampled, then gone before the loop looked at it (as a
+    short-lived one may be within milliseconds), counts as exited: its
+    samples cannot be named, and the figure says how often that happens."""
+    profiler = Profiler(Config(frequency=99, interval=10.0))
+    profiler.start()
+    outcomes: dict[int, object] = {}
+    warm = profiler.registry.warm
+
+    def recorded(tgid: int, start: int, exec_id: int):  # type: ignore[no-untyped-def]
+        image = warm(tgid, start, exec_id)
+        outcomes[tgid] = image
+        return image
+
+    profiler.registry.warm = recorded  # type: ignore[method-assign]
+    try:
+        exited = profiler.stats.new_processes["exited"]
+        target = subprocess.Popen([str(targets / "chain"), "0.3"], stdout=subprocess.DEVNULL)
+        assert target.wait() == 0  # sampled ~30 times while the loop slept, now reaped
+        deadline = time.monotonic() + 4
+        while target.pid not in outcomes and time.monotonic() < deadline:
+            profiler.wait(0.0)
+        assert target.pid in outcomes, "the target's first sample was never announced"
+        assert outcomes[target.pid] is None  # gone: nothing could be read
+        assert profiler.stats.new_processes["exited"] >= exited + 1
+    finally:
         profiler.close()

@@ -97,6 +97,11 @@ class ProfilerCollector(Collector):
 
         yield _single(fam.NEW_PROCESS_EVENTS_LOST, stats.new_process_events_lost)
 
+        new_processes = _family(fam.NEW_PROCESSES)
+        for result in ("warmed", "exited"):
+            new_processes.add_metric([result], stats.new_processes[result])
+        yield new_processes
+
         yield _single(fam.DRAINS, stats.drains)
         yield _single(fam.DRAIN_SECONDS, stats.last_drain_seconds)
         yield _single(fam.DRAIN_CPU_SECONDS, stats.last_drain_cpu_seconds)

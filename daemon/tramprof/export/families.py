@@ -68,6 +68,12 @@ NEW_PROCESS_EVENTS_LOST = Family(
     "tramprof_new_process_events_lost", "counter", (),
     "First-sample notifications lost in the perf buffer; those processes are symbolized "
     "at the next drain instead, if they still run.")
+NEW_PROCESSES = Family(
+    "tramprof_new_processes", "counter", ("result",),
+    "Process images sampled for the first time, by result: warmed (their maps read and "
+    "their files opened while they ran) or exited (gone before that, as short-lived "
+    "processes may be within milliseconds of their first sample: their user frames are "
+    "one marker frame instead of names).")
 DRAINS = Family(
     "tramprof_drains", "counter", (),
     "Times the in-kernel sample buffers were drained.")
@@ -287,7 +293,7 @@ PYTHON_DUTY_WRITES_FAILED = Family(
     "whatever the budget; the log names them.")
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
-    KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS,
+    KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS, NEW_PROCESSES,
     NEW_PROCESS_EVENTS_LOST, DRAINS, DRAIN_SECONDS, DRAIN_CPU_SECONDS, MAIN_THREAD_CPU_SECONDS,
     BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
     JIT_RECORDS_DROPPED, JIT_BYTES_READ, UNWIND_SAMPLES, PYTHON_FRAMES_TRUNCATED,

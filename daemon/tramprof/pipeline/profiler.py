@@ -293,6 +293,9 @@ class Profiler:
                 continue
             with self.errors.boundary(tgid, "new_process", partial(self._drop, tgid)):
                 image = self.registry.warm(tgid, start, exec_id)
+                warmed = image is not None and image.symbolizer is not None \
+                    and not image.symbolizer.exited_unread()
+                self.stats.new_processes["warmed" if warmed else "exited"] += 1
                 if image is not None:
                     self._consider((tgid, start, exec_id), image)
                     self._follow_if_young_interpreter((tgid, start, exec_id), image)

@@ -75,6 +75,8 @@ class ProfilerStats:
     processes: int = 0
     process_events: Counter[str] = field(default_factory=Counter)
     new_process_events_lost: int = 0
+    # Newly sampled process images by result: "warmed" or "exited" (gone first).
+    new_processes: Counter[str] = field(default_factory=Counter)
     drains: int = 0
     last_drain_seconds: float = 0.0
     last_drain_cpu_seconds: float = 0.0  # the drain thread's CPU time in it
