@@ -201,7 +201,8 @@ class BuildWorker:
 
 def mapping_starts(sources: Iterable[FrameSource | None]) -> set[int]:
     """The start addresses of the mappings ``sources`` lie in (compiled: a
-    drained stack's ~100 places cost ~6 us in Python, against ~0.5)."""
+    drained stack's ~100 places cost ~6 us in Python, ~1.3 compiled even
+    with a new mapping at every place)."""
     compiled = speedups.compiled
     starts = None if compiled is None or not isinstance(sources, (tuple, list)) \
         else compiled.mapping_starts(sources)
