@@ -360,6 +360,16 @@ def panel_checks(central: PrometheusServer, d: Daemon, rate: tuple[float, float]
         assert 0.85 * main_thread_cores - 1e-4 <= total <= 1.15 * main_thread_cores + 1e-4, (
             stages, main_thread_cores)
 
+    def new_processes(queries: Queries) -> None:
+        ((_, result),) = queries
+        # Only the target is sampled (--pid), warmed at its first sample more
+        # than 30 s before the window: none since. Both outcomes are
+        # exported from the start.
+        assert values(result, "result") == {"warmed": 0, "exited": 0}, result
+        node = {dict(labels)["result"]: count for (name, labels), count in d.metrics().items()
+                if name == "tramprof_new_processes_total"}
+        assert node["warmed"] >= 1 and node["exited"] == 0, node
+
     def python_budget(queries: Queries) -> None:
         (_, duty), (_, overhead), (_, refused) = queries
         # No process under the trampoline runtime: no duty cycle, no
@@ -381,6 +391,7 @@ def panel_checks(central: PrometheusServer, d: Daemon, rate: tuple[float, float]
         "User stacks by unwinding mode": unwind_modes,
         "Python frames lost or rejected": python_frames,
         "Profiler CPU by stage": cpu_by_stage,
+        "New processes: warmed or gone first": new_processes,
         "Python overhead budget": python_budget,
     }
 
