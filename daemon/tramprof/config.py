@@ -138,6 +138,13 @@ class Config:
     # while it is off carry "[python frames paused]" instead of Python names.
     # Applies to processes under tramprof_trampolines 0.1 with ABI 2 or later.
     python_overhead_budget: float = 0.0
+    # Scheduler slice, in seconds, the daemon's main loop asks the kernel for
+    # (0.0001..0.1; 0 keeps the kernel's default, ~0.7-3 ms). A short one
+    # lets the loop run at once when a process is sampled for the first time,
+    # so a short-lived one is read before it exits; it changes when the loop
+    # runs, not how much CPU it gets. Linux 6.12 and later honour it (earlier
+    # kernels ignore it: tramprof_scheduler_slice_seconds shows 0).
+    scheduler_slice: float = 0.0001
     # Directory where the compiled BPF program is kept (an absolute path), so
     # that the next start on the same kernel, bcc and tramprof loads it in
     # place of compiling (seconds and ~150 MB less at start-up); "" compiles
@@ -277,6 +284,7 @@ _CHECKS: dict[str, Callable[[Any], str]] = {
     "symbol_memory_bytes": _range(1 << 20, 1 << 36, " (bytes)"),
     "address_cache_bytes": _range(1 << 20, 1 << 36, " (bytes)"),
     "python_overhead_budget": _range(0, 1),
+    "scheduler_slice": lambda v: "" if v == 0 else _range(0.0001, 0.1, " (seconds)")(v),
     "program_cache_dir": lambda v: "" if v == "" or (v.startswith("/") and "\0" not in v)
     else 'must be an absolute path, or "" to compile at every start',
     "unwind_table_bytes": lambda v: "" if v == 0 else _range(1 << 20, 1 << 34, " (bytes)")(v),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tramprof.commands.scheduling import thread_slice
 from tramprof.pipeline.stats import MAIN_THREAD_STAGES
 
 from tests.conftest import TRAMPROF, requires_root
@@ -291,6 +292,59 @@ def test_sighup_changes_frequency_without_losing_counters(daemon, targets, start
     assert 0.5 * 499 <= fast <= 1.25 * 499, fast
     assert after > before  # the counter went on from where it was
     assert d.proc.poll() is None
+
+
+def _default_slice() -> int | None:
+    """A new thread's scheduler slice here (0: the kernel reports none)."""
+    found: list[int | None] = []
+    thread = threading.Thread(target=lambda: found.append(thread_slice()))
+    thread.start()
+    thread.join()
+    return found[0]
+
+
+def _slices_seen(tid: int, seconds: float) -> collections.Counter[int | None]:
+    """How often each scheduler slice was seen on thread ``tid``, looked at
+    every ~0.2 ms for ``seconds``."""
+    seen: collections.Counter[int | None] = collections.Counter()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seen[thread_slice(tid)] += 1
+        time.sleep(0.0002)
+    return seen
+
+
+@pytest.mark.skipif(not _default_slice(),
+                    reason="this kernel reports no scheduler slice (Linux 6.12 and later do)")
+def test_the_main_loop_waits_with_its_scheduler_slice(daemon, tmp_path):
+    """The main loop, and only it, asks for scheduler_slice while it waits
+    for new processes (so it runs at once when one is sampled), and drains
+    with the kernel's default; a SIGHUP changes it."""
+    default = _default_slice()
+    config = tmp_path / "tramprof.toml"
+    config.write_text("interval = 0.2\nscheduler_slice = 0.0005\n")
+    d = daemon("--config", str(config))
+    main = d.proc.pid
+    assert value(d.wait_for_drains(1), "tramprof_scheduler_slice_seconds") == 0.0005
+    others = {int(tid) for tid in os.listdir(f"/proc/{main}/task")} - {main}
+    assert others, "the HTTP server's threads"
+    assert {thread_slice(tid) for tid in others} == {default}
+    drains = value(d.metrics(), "tramprof_drains_total")
+    seen = _slices_seen(main, 3.0)
+    drains = value(d.metrics(), "tramprof_drains_total") - drains
+    # Waits (most of the time) and drains (~10 of them), nothing else.
+    assert set(seen) == {500_000, default}, (seen, drains)
+    assert seen[500_000] > seen[default], seen
+    assert drains >= 5, drains
+
+    config.write_text("interval = 0.2\nscheduler_slice = 0.0001\n")
+    d.proc.send_signal(signal.SIGHUP)
+    drains = int(value(d.metrics(), "tramprof_drains_total"))
+    metrics = d.wait_for_drains(drains + 2)
+    assert value(metrics, "tramprof_scheduler_slice_seconds") == 0.0001
+    seen = _slices_seen(main, 1.0)
+    assert set(seen) == {100_000, default}, seen
+    assert "main loop: 0.10 ms scheduler slice" in d.log_tail(200)
 
 
 def test_series_budget_holds_and_accounts_for_every_sample(daemon, targets, start_target,

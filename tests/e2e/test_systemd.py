@@ -50,6 +50,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tramprof.commands.scheduling import thread_slice
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("TRAMPROF_TEST_CACHE", "/var/cache/tramprof-test"))
@@ -551,6 +552,11 @@ def test_unit_under_systemd(machine: Machine) -> None:
         in journal, journal
     # CAP_SYSLOG reached the daemon (ProtectKernelLogs= would have removed it).
     assert "kernel frames stay unnamed" not in journal, journal
+    # The main loop's scheduler slice passes the system call filter (the
+    # container runs on this kernel: it honours one when it reports one).
+    assert "sched_setattr refused" not in journal, journal
+    if thread_slice():
+        assert "main loop: 0.10 ms scheduler slice" in journal, journal
 
     # ExecReload (SIGHUP) re-reads the file and applies a new frequency
     # without the capabilities it started with, and without a restart (a

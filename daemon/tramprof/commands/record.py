@@ -42,6 +42,7 @@ from types import FrameType
 from typing import TextIO
 
 from tramprof.commands.privileges import DEFAULT_RUN_AS, PrivilegeError, drop_after_start
+from tramprof.commands.scheduling import LoopSlice
 from tramprof.config import Config
 from tramprof.export.formats import FORMATS
 from tramprof.model import Profile, SymbolizationError, merge
@@ -295,9 +296,14 @@ class _Session:
         self._next_drain = self.began + config.interval
         self._processes: set[int] = set()
         self.watch = StartupWatch(profiler, config.proc_root) if tree else None
+        # Woken for a new process, run at once: a build's compilers live
+        # milliseconds (commands.scheduling).
+        self.slice = LoopSlice()
+        self.slice.set(config.scheduler_slice)
 
     def drain(self) -> None:
-        stacks = self.profiler.collect()
+        with self.slice.batch():
+            stacks = self.profiler.collect()
         now = time.time_ns()
         self.windows.append(Profile(tuple(stacks), self._window_start,
                                     now - self._window_start, self.config.frequency))

@@ -23,6 +23,7 @@ from tramprof.commands.privileges import (
     drop_after_start,
     runtime_capabilities,
 )
+from tramprof.commands.scheduling import LoopSlice
 from tramprof.commands.sdnotify import Notifier
 from tramprof.config import Config, ConfigError
 from tramprof.export.collector import ProfilerCollector, StoreCollector, daemon_registry
@@ -57,6 +58,7 @@ class Daemon:
         self.profiler = Profiler(config)
         self.store = ProfileStore(config.profile_retention, max_bytes=config.profile_store_bytes)
         self._stop = False
+        self._slice = LoopSlice()  # the main loop's scheduler slice
         self._reload_requested = False
         self._last_drain = time.monotonic()
         self._window_start_ns = time.time_ns()
@@ -122,6 +124,7 @@ class Daemon:
             self.server.close()
             return 1
         self.server.start()
+        self._apply_scheduler_slice(self.config.scheduler_slice)
         self._window_start_ns = time.time_ns()
         self.notifier.ready(self._status())
         next_drain = time.monotonic() + self.config.interval
@@ -139,7 +142,8 @@ class Daemon:
                     self.notifier.ready(self._status())
                 if time.monotonic() >= next_drain or self.recorder.drain_due():
                     try:
-                        self.drain()
+                        with self._slice.batch():
+                            self.drain()
                     except Exception:
                         # Keep sampling; /healthz turns unhealthy if this persists.
                         log.exception("drain failed")
@@ -156,6 +160,19 @@ class Daemon:
         target = f"{len(self.config.pids)} processes" if self.config.pids else "all processes"
         return (f"sampling {target} at {self.config.frequency} Hz on "
                 f"{self.profiler.sampler.event_name}, serving {self.config.listen}")
+
+    def _apply_scheduler_slice(self, seconds: float) -> None:
+        """Ask for the main loop's scheduler slice (commands.scheduling), from
+        the loop's own thread: the threads and children it starts later keep
+        the kernel's default."""
+        outcome = self._slice.set(seconds)
+        self.profiler.stats.scheduler_slice_seconds = outcome.slice_ns / 1e9
+        if outcome.taken:
+            log.info("main loop: %.2f ms scheduler slice%s", outcome.slice_ns / 1e6,
+                     "" if seconds else " (the kernel's default)")
+        else:
+            log.info("main loop: scheduler slice %s: %s", "kept" if seconds else "unchanged",
+                     outcome.reason)
 
     def _drop_privileges(self) -> None:
         """Keep only what the running daemon needs: reading other processes'
@@ -223,6 +240,8 @@ class Daemon:
             self.profiler.sampler.set_frequency(new.frequency)
         if new.pids != self.config.pids:
             self.profiler.sampler.set_targets(new.pids or None)
+        if new.scheduler_slice != self.config.scheduler_slice:
+            self._apply_scheduler_slice(new.scheduler_slice)
         try:
             self.series.reconfigure(series_config(new))
         except ValueError as exc:

@@ -101,6 +101,7 @@ class ProfilerCollector(Collector):
         for result in ("warmed", "exited"):
             new_processes.add_metric([result], stats.new_processes[result])
         yield new_processes
+        yield _single(fam.SCHEDULER_SLICE, stats.scheduler_slice_seconds)
 
         yield _single(fam.DRAINS, stats.drains)
         yield _single(fam.DRAIN_SECONDS, stats.last_drain_seconds)

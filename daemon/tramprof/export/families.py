@@ -74,6 +74,11 @@ NEW_PROCESSES = Family(
     "their files opened while they ran) or exited (gone before that, as short-lived "
     "processes may be within milliseconds of their first sample: their user frames are "
     "one marker frame instead of names).")
+SCHEDULER_SLICE = Family(
+    "tramprof_scheduler_slice_seconds", "gauge", (),
+    "Scheduler slice the daemon's main loop runs with, as the kernel reports it (set by "
+    "scheduler_slice: a short one lets the loop read a newly sampled process at once, before "
+    "a short-lived one exits); 0 when the kernel reports none (before Linux 6.12).")
 DRAINS = Family(
     "tramprof_drains", "counter", (),
     "Times the in-kernel sample buffers were drained.")
@@ -294,7 +299,8 @@ PYTHON_DUTY_WRITES_FAILED = Family(
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
     KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS, NEW_PROCESSES,
-    NEW_PROCESS_EVENTS_LOST, DRAINS, DRAIN_SECONDS, DRAIN_CPU_SECONDS, MAIN_THREAD_CPU_SECONDS,
+    SCHEDULER_SLICE, NEW_PROCESS_EVENTS_LOST, DRAINS, DRAIN_SECONDS, DRAIN_CPU_SECONDS,
+    MAIN_THREAD_CPU_SECONDS,
     BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
     JIT_RECORDS_DROPPED, JIT_BYTES_READ, UNWIND_SAMPLES, PYTHON_FRAMES_TRUNCATED,
     CHAIN_INVALID, SCAN_STALE, SCAN_WINDOWS_EXHAUSTED, SCAN_OVERFLOWS, SCAN_REFUSALS,

@@ -77,6 +77,8 @@ class ProfilerStats:
     new_process_events_lost: int = 0
     # Newly sampled process images by result: "warmed" or "exited" (gone first).
     new_processes: Counter[str] = field(default_factory=Counter)
+    # The main loop's scheduler slice as the kernel reports it (0: none).
+    scheduler_slice_seconds: float = 0.0
     drains: int = 0
     last_drain_seconds: float = 0.0
     last_drain_cpu_seconds: float = 0.0  # the drain thread's CPU time in it
