@@ -38,7 +38,8 @@ whole-heap collections of the garbage collector in the window (one adds
 ~0.4 s of CPU: the first comes 5 minutes after start, later ones more and
 more rarely, so the CPU is also shown without them), the process images
 sampled for the first time a second (``tramprof_new_processes_total``: warmed
-while they ran, or gone first; each wakes the daemon's loop, and the main
+while they ran, or gone first; each wakes the daemon's loop, whose
+scheduler slice is shown too, and the main
 thread's process-events CPU is shown per new one: side by side, the daemon
 that reads a new process's /proc files second finds them cache-warm); then full ``/metrics``
 scrape latency (OpenMetrics and gzip, as Prometheus asks) and
@@ -103,6 +104,7 @@ TABLE_BUILDS = "tramprof_unwind_table_builds_total"
 STAGE_CPU = "tramprof_main_thread_cpu_seconds_total"
 #: Newly sampled process images, warmed while they ran or gone first.
 NEW_PROCESSES = "tramprof_new_processes_total"
+SCHEDULER_SLICE = "tramprof_scheduler_slice_seconds"
 #: Addresses the symbol caches hold (Result.address_cache).
 ADDRESS_CACHE = "tramprof_address_cache_entries"
 #: Processes whose address caches were emptied to keep all within their bound.
@@ -378,6 +380,8 @@ class Result:
     table_builds: float = 0.0
     # Newly sampled process images a second: (warmed, gone before warmed).
     new_processes: tuple[float, float] | None = None
+    # The main loop's scheduler slice as the kernel reports it, ms (None: not told).
+    scheduler_slice_ms: float | None = None
     # The main thread's CPU by stage, % of a core (empty: the build does not tell).
     stages_percent: dict[str, float] = field(default_factory=dict)
     window_s: float = 0.0
@@ -488,7 +492,7 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
         next_drain(daemon)
     before = [daemon.metrics("tramprof_perf_events_total", "tramprof_stacks_named_total",
                              *HEAP_COLLECTIONS, TABLE_BUILDS, STAGE_CPU, ADDRESS_CACHE,
-                             ADDRESS_CACHE_EVICTIONS, NEW_PROCESSES)
+                             ADDRESS_CACHE_EVICTIONS, NEW_PROCESSES, SCHEDULER_SLICE)
               for daemon in daemons]
     # drains done -> the last one's (wall, CPU) seconds; CPU None from a
     # build that does not export it
@@ -579,6 +583,8 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
            if k[0] == NEW_PROCESSES}
     if new:  # (older builds do not tell)
         result.new_processes = (new.get("warmed", 0.0) / seconds, new.get("exited", 0.0) / seconds)
+    if (SCHEDULER_SLICE, ()) in after:  # (older builds do not tell)
+        result.scheduler_slice_ms = after[(SCHEDULER_SLICE, ())] * 1e3
     result.series = sum(v for k, v in after.items() if k[0] == "tramprof_series")
     result.processes = after[("tramprof_processes", ())]
     for _ in range(args.scrapes):
@@ -697,7 +703,13 @@ def report(results: list[Result]) -> None:
     # Every newly sampled process wakes the loop; a wake runs cache-cold.
     row("new processes / s, warmed / gone", [
         "n/a" if r.new_processes is None
-        else f"{r.new_processes[0]:.1f} / {r.new_processes[1]:.1f}" for r in results])
+        else f"{r.new_processes[0]:.1f} / {r.new_processes[1]:.1f}"
+        + (f" ({r.new_processes[1] / sum(r.new_processes):.0%})" if sum(r.new_processes) else "")
+        for r in results])
+    # A short slice lets the loop run at once when it is woken for one.
+    row("  main loop scheduler slice, ms", [
+        "n/a" if r.scheduler_slice_ms is None else f"{r.scheduler_slice_ms:.2f}"
+        for r in results])
     row("  process events CPU per new, us", [
         "n/a" if not r.new_processes or not sum(r.new_processes)
         or "process_events" not in r.stages_percent
