@@ -7,6 +7,7 @@ import subprocess
 import time
 from itertools import pairwise
 
+from bcc.utils import get_online_cpus
 from tramprof.config import Config
 from tramprof.pipeline.profiler import Profiler
 from tramprof.procfs.identity import read_start_ticks
@@ -169,3 +170,22 @@ def test_a_process_gone_before_it_was_warmed_is_counted(targets):
         assert profiler.stats.new_processes["exited"] >= exited + 1
     finally:
         profiler.close()
+
+
+def test_the_loop_waits_on_the_open_new_process_buffers():
+    """The descriptors the loop polls at every wake, kept from the buffers'
+    opening: one perf event per CPU, exactly the library's, none before the
+    start or after the close; each call's list is the caller's own."""
+    profiler = Profiler(Config(frequency=99, interval=10.0))
+    try:
+        assert profiler.event_fds() == []
+        profiler.start()
+        fds = profiler.event_fds()
+        assert sorted(fds) == sorted(profiler.sampler._bpf.perf_buffer_fds())
+        assert len(fds) == len(get_online_cpus())
+        assert {os.readlink(f"/proc/self/fd/{fd}") for fd in fds} == {"anon_inode:[perf_event]"}
+        fds.append(-1)
+        assert profiler.event_fds() == fds[:-1]
+    finally:
+        profiler.close()
+    assert profiler.event_fds() == []

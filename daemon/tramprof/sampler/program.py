@@ -180,6 +180,10 @@ class Sampler:
         self._active = 0
         self._filter: list[int] | None = None
         self._new_processes: list[tuple[int, int, int]] = []
+        # The new-process buffers' descriptors, asked for at every wake of
+        # the loop: kept from when the buffers are opened (one library call
+        # per CPU each time otherwise) until they are closed.
+        self._event_fds: tuple[int, ...] = ()
         self.new_process_events_lost = 0
         self._stats_fd: int | None = None
         self._event: tuple[int, int] | None = None
@@ -291,10 +295,12 @@ class Sampler:
             self.new_process_events_lost += int(lost)
 
         self._bpf[b"new_processes"].open_perf_buffer(on_event, page_cnt=16, lost_cb=on_lost)
+        self._event_fds = tuple(self._bpf.perf_buffer_fds())
 
     def event_fds(self) -> list[int]:
-        """File descriptors that become readable when new processes were seen."""
-        return list(self._bpf.perf_buffer_fds())
+        """File descriptors that become readable when new processes were seen
+        (none before ``start`` and after ``close``)."""
+        return list(self._event_fds)
 
     def new_processes(self) -> list[tuple[int, int, int]]:
         """(tgid, start_boottime_ns, exec_id) of images sampled for the first time."""
@@ -466,6 +472,7 @@ class Sampler:
             os.close(self._stats_fd)
             self._stats_fd = None
         if self._bpf is not None:
+            self._event_fds = ()
             self._bpf.cleanup()
             self._bpf = None
             self._maps = None
