@@ -348,6 +348,7 @@ class _Session:
 
     def finish(self) -> Profile:
         self.drain()
+        self.slice.release()
         self.show_progress(force=True)
         self.progress.finish()
         return merge(self.windows, self.config.frequency)

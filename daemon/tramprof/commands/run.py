@@ -149,6 +149,7 @@ class Daemon:
                         log.exception("drain failed")
                     next_drain = time.monotonic() + self.config.interval
         finally:
+            self._slice.release()
             self.notifier.stopping("detaching BPF programs")
             self.recorder.close()
             self.profiler.close()

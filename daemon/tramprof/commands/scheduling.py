@@ -149,10 +149,21 @@ class LoopSlice:
         self.outcome = request_slice(seconds)
         return self.outcome
 
+    @property
+    def short(self) -> bool:
+        """A short slice was asked for and taken."""
+        return self.seconds > 0 and self.outcome is not None and self.outcome.taken
+
+    def release(self) -> None:
+        """The kernel's default slice again, if a short one was taken: the
+        loop is over (its thread may go on, as in tests)."""
+        if self.short:
+            self.set(0)
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """The kernel's default slice inside, the loop's own again after."""
-        short = self.seconds > 0 and self.outcome is not None and self.outcome.taken
+        short = self.short
         if short:
             request_slice(0)
         try:
