@@ -140,19 +140,17 @@ class LoopSlice:
     requests a drain; none when the short one was not taken."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self.outcome: SliceOutcome | None = None
+        self.outcome: SliceOutcome | None = None  # of the last request
 
     def set(self, seconds: float) -> SliceOutcome:
         """Ask for ``seconds`` from now on (0: the kernel's default)."""
-        self.seconds = seconds
         self.outcome = request_slice(seconds)
         return self.outcome
 
     @property
     def short(self) -> bool:
         """A short slice was asked for and taken."""
-        return self.seconds > 0 and self.outcome is not None and self.outcome.taken
+        return self.outcome is not None and self.outcome.requested_ns > 0 and self.outcome.taken
 
     def release(self) -> None:
         """The kernel's default slice again, if a short one was taken: the
@@ -163,11 +161,11 @@ class LoopSlice:
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """The kernel's default slice inside, the loop's own again after."""
-        short = self.short
-        if short:
+        own = self.outcome if self.short else None
+        if own is not None:
             request_slice(0)
         try:
             yield
         finally:
-            if short:
-                request_slice(self.seconds)
+            if own is not None:
+                request_slice(own.requested_ns / 1e9)
