@@ -38,11 +38,11 @@ whole-heap collections of the garbage collector in the window (one adds
 ~0.4 s of CPU: the first comes 5 minutes after start, later ones more and
 more rarely, so the CPU is also shown without them), the process images
 sampled for the first time a second (``tramprof_new_processes_total``: warmed
-while they ran, or gone first; each wakes the daemon's loop, whose
-scheduler slice is shown too, and the main
-thread's process-events CPU is shown per new one: side by side, the daemon
-that reads a new process's /proc files second finds them cache-warm); then full ``/metrics``
-scrape latency (OpenMetrics and gzip, as Prometheus asks) and
+while they ran, or gone first; each wakes the daemon's loop, whose scheduler
+slice is shown too) and the main thread's process-events CPU per new one
+(side by side, the daemon that reads a new process's /proc files second
+finds them cache-warm); then full ``/metrics`` scrape latency (OpenMetrics
+and gzip, as Prometheus asks) and
 the distinct folded stacks of single drained windows.
 
 Every worker runs in one process group that is killed on exit, failure or

@@ -47,7 +47,7 @@ def stats() -> ProfilerStats:
                                           C.KSTACK_COLLISION: 4, C.USTACK_TRUNCATED: 5},
         symbolization_failures=Counter({"no_symbol": 9}),
         processes=2, process_events=Counter({"exit": 3, "overrun": 0}),
-        new_processes=Counter({"warmed": 11}),
+        new_processes=Counter({"warmed": 11}), scheduler_slice_seconds=0.0001,
         drains=4, last_drain_seconds=0.25, last_drain_cpu_seconds=0.125,
         bpf_run_time_ns=3_000_000, bpf_run_count=1000,
         heap_full_collections=2, heap_full_collection_seconds=0.75,
@@ -78,6 +78,7 @@ def test_collector_values(registry):
     assert get("tramprof_process_events_total", {"kind": "exit"}) == 3
     assert get("tramprof_new_processes_total", {"result": "warmed"}) == 11
     assert get("tramprof_new_processes_total", {"result": "exited"}) == 0  # shown from the start
+    assert get("tramprof_scheduler_slice_seconds") == 0.0001
     assert get("tramprof_bpf_run_time_seconds_total") == pytest.approx(0.003)
     assert get("tramprof_bpf_runs_total") == 1000
     assert get("tramprof_drain_duration_seconds") == 0.25
