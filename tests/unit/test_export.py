@@ -99,6 +99,38 @@ def test_main_thread_stages_start_at_zero():
         "drain": 0.0, "heap": 0.0, "aggregate": 0.0, "process_events": 0.0}
 
 
+def _spin(seconds: float) -> None:
+    """Run on this thread's CPU for ``seconds``."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_uncounted_cpu_makes_the_stages_add_up():
+    """What the thread ran around its stages is charged once to the stage
+    named; what a stage counted is not charged again."""
+    stats = ProfilerStats()
+    began = time.thread_time()
+    mark = stats.cpu_mark()
+    _spin(0.02)
+    counted_from = time.thread_time()
+    _spin(0.03)
+    stats.add_cpu("drain", time.thread_time() - counted_from)
+    _spin(0.01)
+    stats.add_uncounted_cpu("process_events", mark)
+    ran = time.thread_time() - began
+    stages = stats.main_thread_cpu_seconds
+    assert sum(stages.values()) == pytest.approx(ran, abs=1e-3), (stages, ran)
+    assert 0.03 <= stages["drain"] < 0.031, stages
+    assert stages["process_events"] == pytest.approx(0.03, abs=1e-3), stages
+    # A stage counted more than the thread ran since the mark: nothing is
+    # charged, and nothing taken back.
+    mark = stats.cpu_mark()
+    stats.add_cpu("heap", 1.0)
+    stats.add_uncounted_cpu("process_events", mark)
+    assert stages["heap"] == 1.0 and stages["process_events"] == pytest.approx(0.03, abs=1e-3)
+
+
 def _daemon_registry():
     from tramprof.export.series import SeriesTracker
     from tramprof.model import Stack

@@ -129,7 +129,12 @@ class Daemon:
         self.notifier.ready(self._status())
         next_drain = time.monotonic() + self.config.interval
         try:
+            stats = self.profiler.stats
             while not self._stop:
+                # What the loop does around its stages counts too, the
+                # scheduler slice's switches with the drain and the rest
+                # with process_events: the stages add up to the thread's CPU.
+                iteration = stats.cpu_mark()
                 self.profiler.wait(min(next_drain - time.monotonic(), 1.0),
                                    (self.recorder.fileno(),))
                 # From the main loop, so a stuck loop stops the pings and
@@ -141,13 +146,16 @@ class Daemon:
                     self.reload()
                     self.notifier.ready(self._status())
                 if time.monotonic() >= next_drain or self.recorder.drain_due():
+                    draining = stats.cpu_mark()
                     try:
                         with self._slice.batch():
                             self.drain()
                     except Exception:
                         # Keep sampling; /healthz turns unhealthy if this persists.
                         log.exception("drain failed")
+                    stats.add_uncounted_cpu("drain", draining)
                     next_drain = time.monotonic() + self.config.interval
+                stats.add_uncounted_cpu("process_events", iteration)
         finally:
             self._slice.release()
             self.notifier.stopping("detaching BPF programs")

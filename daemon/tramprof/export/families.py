@@ -92,12 +92,13 @@ DRAIN_CPU_SECONDS = Family(
 MAIN_THREAD_CPU_SECONDS = Family(
     "tramprof_main_thread_cpu_seconds", "counter", ("stage",),
     "CPU time of the daemon's main thread by stage: drain (reading the kernel buffers, "
-    "naming the stacks, the checks of processes and unwinding modes after each drain), "
-    "heap (the garbage collector's and allocator's step after each drain), aggregate "
-    "(these figures, metric series and the windows kept for /profile), process_events "
-    "(between drains: newly sampled processes read while they run, lifecycle events, "
-    "unwinding mode refreshes). process_cpu_seconds_total less their sum is the other "
-    "threads' (HTTP requests among them). As of the last drain.")
+    "naming the stacks, the checks of processes and unwinding modes after each drain, "
+    "the scheduler slice's switches around it), heap (the garbage collector's and "
+    "allocator's step after each drain), aggregate (these figures, metric series and the "
+    "windows kept for /profile), process_events (between drains: newly sampled processes "
+    "read while they run, lifecycle events, unwinding mode refreshes, the loop's own "
+    "steps). Their sum is the main thread's CPU; process_cpu_seconds_total less it is the "
+    "other threads' (HTTP requests among them). As of the last drain.")
 BPF_RUN_SECONDS = Family(
     "tramprof_bpf_run_time_seconds", "counter", (),
     "CPU time spent in the sampling BPF program (kernel BPF statistics).")
