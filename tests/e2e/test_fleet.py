@@ -49,6 +49,9 @@ FREQUENCY = 199
 CHAIN = "main;chain_a;chain_b;chain_c"
 # Grafana's values for a 1 s scrape interval and a 30 s time range.
 RATE_INTERVAL = "10s"
+# How late, in seconds, the daemon's counters may tell of its main thread:
+# published at the drain after, then scraped (both every 1 s).
+MAIN_THREAD_LAGS = (0.0, 0.4, 0.8, 1.2, 1.6, 2.0)
 
 
 def central_config(port: int) -> dict[str, Any]:
@@ -242,7 +245,8 @@ def check_dashboard(central: PrometheusServer, d: Daemon, cpu: CpuClock,
     expected = FREQUENCY * cpu.cores(at - 10, at)
     checks = panel_checks(central, d, (0.6 * expected, 1.4 * expected),
                           (0.8 * expected_range, 1.2 * expected_range), at,
-                          daemon_main_thread.cores(at - 10, at))
+                          [daemon_main_thread.cores(at - 10 - lag, at - lag)
+                           for lag in MAIN_THREAD_LAGS])
     panels = [p for p in all_panels(dashboard["panels"]) if p["type"] != "row"]
     assert {p["title"] for p in panels} == set(checks), "every panel needs a check here"
     for panel in panels:
@@ -255,11 +259,12 @@ Queries = list[tuple[str, list[dict[str, Any]]]]  # (expression, instant result)
 
 def panel_checks(central: PrometheusServer, d: Daemon, rate: tuple[float, float],
                  range_rate: tuple[float, float], at: float,
-                 main_thread_cores: float) -> dict[str, Callable[[Queries], None]]:
+                 main_thread_cores: list[float]) -> dict[str, Callable[[Queries], None]]:
     """A check per panel title; ``rate`` and ``range_rate`` bound the target's
     samples per second over $__rate_interval and over $__range;
     ``main_thread_cores`` is the daemon's main thread's CPU over
-    $__rate_interval, as the kernel accounts it."""
+    $__rate_interval ending at ``at`` and at each of MAIN_THREAD_LAGS before
+    it, as the kernel accounts it."""
     low, high = rate
 
     def top_self(queries: Queries) -> None:
@@ -352,13 +357,15 @@ def panel_checks(central: PrometheusServer, d: Daemon, rate: tuple[float, float]
         stages = values(result, "stage")
         assert set(stages) == set(MAIN_THREAD_STAGES), result
         assert stages["drain"] > 0 and min(stages.values()) >= 0, stages
-        # Together, the main thread's CPU in the same 10 s (the counters
-        # move at drains, every 1 s, and the kernel's account is polled every
-        # 0.2 s: either end may be off by up to a drain).
+        # Together, the main thread's CPU: the counters move at drains
+        # (every 1 s) and are published with the next one, then scraped
+        # every 1 s, so they tell of the thread's same 10 s up to ~2 s late.
+        # Measured here over 150 s: the whole main thread (99.7%), and every
+        # 10-s window within 9% of one of those (median 0.7%; 9-10% off for
+        # the windows ending at ``at`` alone).
         total = sum(stages.values())
-        # Measured here: 98% of the kernel's figure (~0.002 cores).
-        assert 0.85 * main_thread_cores - 1e-4 <= total <= 1.15 * main_thread_cores + 1e-4, (
-            stages, main_thread_cores)
+        assert any(0.85 * cores - 1e-4 <= total <= 1.15 * cores + 1e-4
+                   for cores in main_thread_cores), (stages, main_thread_cores)
 
     def new_processes(queries: Queries) -> None:
         ((_, result),) = queries
