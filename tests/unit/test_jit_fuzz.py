@@ -8,6 +8,7 @@ import os
 import shutil
 import struct
 import tempfile
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import pairwise
@@ -256,19 +257,49 @@ def test_addrindex_matches_newest_wins_model(
 
 
 def check_index_against_model(batches: list[list[tuple[int, int, bool]]]) -> None:
+    """Lookups as the model answers them, and the same answer as before the
+    batch wherever ``take_changes`` does not name a range."""
     index: AddrIndex[int] = AddrIndex()
     model: list[tuple[int, int, int | None]] = []
+    before: list[int | None] = [None] * 400
+    assert index.take_changes() is None  # new: nothing is known of what came before
     for batch in batches:
         for start, size, tombstone in batch:
             value = None if tombstone else len(model)
             assert index.add(start, start + size, value)
             model.append((start, start + size, value))
+        changes = index.take_changes()
+        assert changes == [(start, start + size) for start, size, _tombstone in batch]
         for addr in range(0, 400):
             expected = None
             for s, e, v in model:
                 if s <= addr < e:
                     expected = v
             assert index.lookup(addr) == expected, addr
+            if not any(s <= addr < e for s, e in changes):
+                assert expected == before[addr], addr
+            before[addr] = expected
     items = index.items()
     assert all(s < e for s, e, _ in items)
     assert all(a[1] <= b[0] for a, b in pairwise(items))
+
+
+def test_addrindex_changes_are_told_in_batches_and_bounded() -> None:
+    """A batch's ranges as added; after a clear, or past ``MAX_CHANGES``
+    ranges, "anything may have changed" (None), never a partial list."""
+    index: AddrIndex[str] = AddrIndex()
+    index.take_changes()
+    index.extend(array("Q", [0x10, 0x40]), array("Q", [0x20, 0x48]), ["a", "b"])
+    index.add(0x18, 0x30, None)
+    assert index.take_changes() == [(0x10, 0x20), (0x40, 0x48), (0x18, 0x30)]
+    assert index.take_changes() == []
+    assert not index.add(0x30, 0x30, "empty")  # refused: nothing changed
+    assert index.take_changes() == []
+    index.clear()
+    assert index.take_changes() is None
+    many = addrindex.MAX_CHANGES + 1
+    index.extend(array("Q", range(0, 2 * many, 2)), array("Q", range(1, 2 * many, 2)),
+                 ["x"] * many)
+    assert index.take_changes() is None
+    index.add(1, 2, "y")
+    assert index.take_changes() == [(1, 2)]

@@ -239,8 +239,9 @@ def test_image_caches_jit_names_only_until_the_files_are_read_again(tmp_path):
 def test_image_keeps_jit_names_while_nothing_they_depend_on_changed(tmp_path):
     """A miss re-reads the JIT files once a second; a read that finds nothing
     new, and maps that changed only in data (a heap, a Python's memory
-    arenas), keep the names found (a node process misses in every drain).
-    New entries or a change of the executable mappings drop them."""
+    arenas), keep the names found (a node process misses in every drain),
+    and so do new entries elsewhere (it appends some all the time). An entry
+    over a name found, or a change of the executable mappings, drops it."""
     image, jit, path, clock = jit_image(tmp_path, 33, "7000 10 first\n")
     assert image.symbolizer is not None
     symbolizer = image.symbolizer
@@ -278,12 +279,23 @@ def test_image_keeps_jit_names_while_nothing_they_depend_on_changed(tmp_path):
     symbolizer.reload_maps()
     assert looked_up_again()  # the code's pages made writable (V8 patching it)
 
+    assert not looked_up_again()
     with path.open("a") as f:
-        f.write("9000 10 created_later\n")
+        f.write("d000 10 created_later\n")
     clock.now += 1.5
-    assert image.resolve(0xd008) == "[anon]"  # read again: a new entry, elsewhere
-    assert jit.epoch == epoch + 1
-    assert looked_up_again()
+    assert image.resolve(0xd008) == "created_later"  # the miss read again: a new entry
+    assert jit.epoch == epoch and not jit.changes  # only 0xd000-0xd00f was forgotten
+    assert not looked_up_again()  # a name found outside its range stays
+    assert image.resolve(0xd008) == "created_later"  # cached from here
+
+    with path.open("a") as f:
+        f.write("7008 4 over_it\n")
+    clock.now += 1.5
+    assert image.resolve(0xd020) == "[anon]"  # the miss read again: an entry over 0x7008
+    assert jit.epoch == epoch and not jit.changes  # only 0x7008-0x700b
+    del looked_up[:]
+    assert image.resolve(0x7008) == "over_it" and looked_up == [0x7008]
+    assert image.resolve(0xd008) == "created_later" and looked_up == [0x7008]  # kept
 
 
 def test_jit_code_the_maps_show_writable_is_named_from_the_perf_map(tmp_path):

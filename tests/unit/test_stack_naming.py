@@ -120,6 +120,31 @@ def test_jit_code_recreated_at_the_same_addresses_is_named_anew(tmp_path):
     assert drain(namer, [known]) == [("second", "recreated")]
 
 
+def test_jit_code_added_elsewhere_keeps_the_stacks_named_before(tmp_path):
+    """A node process appends perf map lines all the time: entries away from
+    a stack's frames leave it found whole, in the drain that read them too;
+    one over a frame names it anew."""
+    image, _jit, path, clock = jit_image(tmp_path, PID, "7000 10 first\n7010 10 second\n")
+    namer, _failures, _ = namer_for(image)
+    known = sample(0x7008, 0x7019)
+    for _ in range(4):
+        assert drain(namer, [known]) == [("second", "first")]
+    assert namer.cache.reused == 1
+    with path.open("a") as f:
+        f.write("8000 10 later\n")
+    clock.now += 1.5
+    assert drain(namer, [sample(0x8008, stack_id=(31, 32)), known]) == \
+        [("later",), ("second", "first")]
+    assert namer.cache.reused == 2  # found whole
+    with path.open("a") as f:
+        f.write("7010 10 recreated\n")
+    clock.now += 1.5
+    assert drain(namer, [sample(0x8108, stack_id=(41, 42)), known]) == \
+        [("[anon]",), ("recreated", "first")]
+    assert drain(namer, [known]) == [("recreated", "first")]
+    assert namer.cache.reused == 2
+
+
 def test_stubs_that_moved_name_the_stack_anew(tmp_path):
     """The merge drops native frames inside the stub arenas: when the arenas
     change, so may the frames, and the stacks named before are not reused."""

@@ -24,6 +24,11 @@ within the overlay, and base rebuilds are amortised over 1/16 of its size.
 
 A value of ``None`` is a tombstone: it hides older ranges (used when a
 jitdump CODE_MOVE vacates a range) and is dropped once merged into the base.
+
+The index also tells which ranges may answer differently since it was last
+asked (``take_changes``): the ranges added meanwhile, since a lookup outside
+them gives what it gave before. Callers that cache answers by address (a
+node process appends perf map lines all the time) then forget only those.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ _OVERLAY_MIN: Final = 4096
 _OVERLAY_FRACTION: Final = 16
 # Batches up to this size are spliced into the overlay in place.
 _SPLICE_MAX: Final = 8
+#: Ranges ``take_changes`` reports at most; past that, "everything".
+MAX_CHANGES: Final = 4096
 
 
 class _Layer(Generic[T]):
@@ -266,7 +273,25 @@ class AddrIndex(Generic[T]):
         self._pend_values: list[T | None] = []
         #: Entries added since the last :meth:`clear` (including tombstones).
         self.added = 0
+        # Ranges added since the last take_changes; None: everything changed.
+        self._changes: list[tuple[int, int]] | None = None
         self._publish()
+
+    def take_changes(self) -> list[tuple[int, int]] | None:
+        """The ``[start, end)`` ranges added since the last call, the only
+        places a lookup may answer differently now; None when that is not
+        known (the first call, a :meth:`clear`, more than ``MAX_CHANGES``
+        ranges): any address may."""
+        changes, self._changes = self._changes, []
+        return changes
+
+    def _note_changes(self, ranges: Iterable[tuple[int, int]], count: int) -> None:
+        changes = self._changes
+        if changes is not None:
+            if len(changes) + count > MAX_CHANGES:
+                self._changes = None
+            else:
+                changes.extend(ranges)
 
     def add(self, start: int, end: int, value: T | None) -> bool:
         """Add ``[start, end)``, newer than everything added so far.
@@ -280,6 +305,7 @@ class AddrIndex(Generic[T]):
         self._pend_ends.append(end)
         self._pend_values.append(value)
         self.added += 1
+        self._note_changes(((start, end),), 1)
         return True
 
     def extend(
@@ -290,7 +316,9 @@ class AddrIndex(Generic[T]):
         self._pend_starts.extend(starts)
         self._pend_ends.extend(ends)
         self._pend_values.extend(values)
-        self.added += len(self._pend_starts) - before
+        count = len(self._pend_starts) - before
+        self.added += count
+        self._note_changes(zip(starts, ends, strict=True), count)
 
     def _flush(self) -> None:
         batch: _Layer[T] = _resolve(self._pend_starts, self._pend_ends, self._pend_values)

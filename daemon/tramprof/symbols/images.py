@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -65,6 +66,20 @@ SharedPass = tuple[list[int], list[int], list[tuple[str, int, MappedFile]],
                    dict[tuple[str, int], str], int, type[FrameSource]]
 
 
+def forget_in_ranges(cache: dict[int, _Value], ranges: Sequence[tuple[int, int]]) -> bool:
+    """Drop the cached addresses inside any ``[start, end)`` of ``ranges``;
+    True when some were. One sort of the cache and two bisections a range,
+    not a test of every address against every range."""
+    if not cache or not ranges:
+        return False
+    addresses = sorted(cache)
+    dropped = False
+    for start, end in ranges:
+        for addr in addresses[bisect_left(addresses, start):bisect_left(addresses, end)]:
+            dropped = cache.pop(addr, None) is not None or dropped
+    return dropped
+
+
 def _remember(cache: dict[int, _Value], addr: int, value: _Value) -> bool:
     """Cache ``value`` at ``addr``; a full cache is emptied first (False)."""
     kept = len(cache) < MAX_CACHED_ADDRESSES
@@ -82,13 +97,16 @@ class ProcessImage:
     mapping goes away (an address may then hold other code:
     ``files_generation``); addresses in mappings without code are not
     cached. JIT code is re-created at reused addresses, so what is found in
-    anonymous memory is cached only until the process's JIT files gain or
-    lose entries or its executable mappings change (``_jit_key``): until then
-    the same lookup gives the same answer (new code at an address comes with
-    a new entry, or with a new mapping), and a Python process under the
-    runtime asks for the same few hundred stub addresses in every stack of a
-    drain. A re-read that finds nothing new, and data mappings that come and
-    go (heaps, a Python's memory arenas), keep the cache.
+    anonymous memory is cached only until the process's JIT files are
+    replaced or its executable mappings change (``_jit_key``), and at an
+    address in the range of an entry the files gained since (``JitSymbols.changes``):
+    until then the same lookup gives the same answer (new code at an
+    address comes with a new entry over it, or with a new mapping), and a
+    Python process under the runtime asks for the same few hundred stub
+    addresses in every stack of a drain. A re-read that finds nothing new,
+    entries elsewhere (a node process appends some all the time), and data
+    mappings that come and go (heaps, a Python's memory arenas), keep the
+    cache.
     """
 
     symbolizer: ProcessSymbolizer | None
@@ -103,6 +121,7 @@ class ProcessImage:
     # (an unnamed address is looked up again: its name may come).
     jit_places: dict[int, FrameSource] = field(default_factory=dict)
     _jit_key: tuple[int, int] = (-1, -1)  # (JIT epoch, code generation) of the jit_ caches
+    _jit_answers: int = 0  # moves when JIT answers were forgotten in part
     _files_key: int = 0  # the symbolizer's files_generation of ``found``
     mapped_files: dict[Mapping, MappedFile] = field(default_factory=dict)
     #: When a drain last named stacks with this image (monotonic seconds).
@@ -138,11 +157,26 @@ class ProcessImage:
             self.found.clear()
             self._forget_mapped_files()
         key = self._current_jit_key(symbolizer)
+        jit = self.jit
         if key != self._jit_key:
             self._jit_key = key
             self.jit_found.clear()
             self.jit_places.clear()
+            if jit is not None:
+                jit.take_changes()  # forgotten with the rest
+        else:
+            self._forget_changed_jit()
         return symbolizer
+
+    def _forget_changed_jit(self) -> None:
+        """Forget what was found in JIT code where the files gained entries
+        since (``JitSymbols.changes``)."""
+        jit = self.jit
+        if jit is not None and jit.changes:
+            changes = jit.take_changes()
+            forget_in_ranges(self.jit_places, changes)
+            if forget_in_ranges(self.jit_found, changes):
+                self._jit_answers += 1  # whole stacks named with them are void
 
     def _current_jit_key(self, symbolizer: ProcessSymbolizer) -> tuple[int, int]:
         return (self.jit.epoch if self.jit is not None else -1, symbolizer.code_generation)
@@ -237,12 +271,13 @@ class ProcessImage:
         shared = None if symbolizer is None else self._segments(symbolizer).shared
         return self.found, self.jit_found, shared
 
-    def naming_state(self) -> tuple[int, int, int]:
+    def naming_state(self) -> tuple[int, int, int, int]:
         """What the cached answers depend on: while it stays the same, the
         caches give the same names and places for the same addresses (the
-        file generation and the JIT files' epoch with the code generation)."""
+        file generation, the JIT files' epoch with the code generation, and
+        how often JIT answers were forgotten in part since)."""
         self._validate_caches()
-        return (self._files_key, *self._jit_key)
+        return (self._files_key, *self._jit_key, self._jit_answers)
 
     def count_jit_hits(self, hits: int) -> None:
         """``hits`` frames named from the JIT caches (counted as the lookups
@@ -315,16 +350,19 @@ class ProcessImage:
             return name, None
         if mapping.is_anonymous:
             jit = self.jit
+            # Found with the JIT files as they are now (a lookup whose re-read
+            # replaced them, or changed the executable mappings, is cached
+            # from the next): what their new entries void goes first.
+            current = self._current_jit_key(symbolizer) == self._jit_key
+            if current:
+                self._forget_changed_jit()
             source = self.jit_places.get(addr)
             if source is None:
                 debug = jit.debug_info(addr) if jit is not None else None
                 source = FrameSource(addr) if debug is None else \
                     FrameSource(addr, None, debug[0], debug[1])
-            if self._current_jit_key(symbolizer) == self._jit_key:
-                # Found with the JIT files as they were when this lookup began
-                # (a lookup whose re-read changed them, or the executable
-                # mappings, is cached from the next); a miss is not cached: it
-                # is counted, and looked up again.
+            if current:
+                # A miss is not cached: it is counted, and looked up again.
                 # Memory the maps show writable is cached only where the JIT
                 # files named it (see ``ProcessSymbolizer.lookup``).
                 if jit is not None and name not in (ANON, UNKNOWN):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from tramprof.model import SymbolizationError
 from tramprof.procfs.identity import read_status_ids
 from tramprof.procfs.maps import Mapping
+from tramprof.symbols.addrindex import MAX_CHANGES
 from tramprof.symbols.jitdump import JitDump
 from tramprof.symbols.perfmap import PerfMap
 from tramprof.symbols.tailreader import RefreshResult
@@ -88,10 +89,17 @@ class JitSymbols:
         #: The status could not be read when the files were first needed.
         self.unavailable = False
         self._last_refresh: float | None = None
-        #: Moves whenever the indexes may have changed (a refresh that read
-        #: new entries or a replaced file, an eviction): a name found at one
-        #: epoch holds until the next.
+        #: Moves whenever any name may have changed (a refresh that read a
+        #: replaced file, failed midway or added more ranges than are told
+        #: apart; an eviction): a name found at one epoch holds until the
+        #: next, except inside ``changes``.
         self.epoch = 0
+        #: Ranges of the entries read since ``take_changes`` within this
+        #: epoch: only there may a name found before differ now (perf maps
+        #: and jitdumps only append, and the newest entry wins). A node
+        #: process appends lines all the time: the names found elsewhere,
+        #: nearly all, stay.
+        self.changes: list[tuple[int, int]] = []
         self.last_results: tuple[RefreshResult, RefreshResult] | None = None
         self.lookups = 0
         self.resolved = 0
@@ -163,7 +171,7 @@ class JitSymbols:
                     self.retired_counters[(kind, name)] += value
         if self._ids is not None:
             self._readers = self._new_readers(*self._ids)
-        self.epoch += 1
+        self._new_epoch()
         self._last_refresh = None
         self.last_results = None
         self._evicted_until = self._clock() + self.limits.evicted_backoff
@@ -178,12 +186,28 @@ class JitSymbols:
             results = (perf_map.refresh(), jitdump.refresh())
         finally:
             # A read that found nothing new leaves the names as they were (a
-            # refusal keeps what was read before); one that failed midway
-            # may have added some.
-            if results is None or any(result.new_entries or result.reloaded
-                                      for result in results):
-                self.epoch += 1
+            # refusal keeps what was read before); new entries change them
+            # in their ranges only; a replaced file or a read that failed
+            # midway, anywhere.
+            changes = [reader.take_changes() for reader in (perf_map, jitdump)]
+            if results is None or any(result.reloaded for result in results) \
+                    or None in changes:
+                self._new_epoch()
+            else:
+                for ranges in changes:
+                    self.changes.extend(ranges or ())
+                if len(self.changes) > MAX_CHANGES:
+                    self._new_epoch()
         self.last_results = results
+
+    def _new_epoch(self) -> None:
+        self.epoch += 1
+        self.changes = []
+
+    def take_changes(self) -> list[tuple[int, int]]:
+        """``changes``, emptied: the caller has forgotten what it found there."""
+        changes, self.changes = self.changes, []
+        return changes
 
     def read_now(self) -> None:
         """Read the files now if they never were: a process under a

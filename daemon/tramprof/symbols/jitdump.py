@@ -514,5 +514,10 @@ class JitDump(ProcessTmpFile):
         """Every visible range in address order."""
         return self._index.items()
 
+    def take_changes(self) -> list[tuple[int, int]] | None:
+        """Address ranges whose lookups may answer differently since the last
+        call (None: any may); see ``AddrIndex.take_changes``."""
+        return self._index.take_changes()
+
     def __len__(self) -> int:
         return len(self._by_addr)

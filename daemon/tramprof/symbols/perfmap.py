@@ -302,5 +302,10 @@ class PerfMap(ProcessTmpFile):
         """Every visible range in address order."""
         return self._index.items()
 
+    def take_changes(self) -> list[tuple[int, int]] | None:
+        """Address ranges whose lookups may answer differently since the last
+        call (None: any may); see ``AddrIndex.take_changes``."""
+        return self._index.take_changes()
+
     def __len__(self) -> int:
         return len(self._index)
