@@ -118,15 +118,27 @@ class SourceStats:
     )
 
     def as_dict(self) -> dict[str, int]:
-        """Flatten to ``name -> value``; refusals become ``refused_<reason>``."""
-        out: dict[str, int] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, int):
-                out[f.name] = value
+        """Flatten to ``name -> value``; refusals become ``refused_<reason>``
+        (each drain sums these over every process's readers)."""
+        out = {name: getattr(self, name) for name in _counter_names(type(self))}
         for reason, count in self.refused.items():
-            out[f"refused_{reason}"] = count
+            out[_REFUSED_NAMES.get(reason) or f"refused_{reason}"] = count
         return out
+
+
+def _counter_names(cls: type[SourceStats]) -> tuple[str, ...]:
+    """The integer fields of a ``SourceStats`` class, found once per class."""
+    names = _COUNTER_NAMES.get(cls)
+    if names is None:
+        names = _COUNTER_NAMES[cls] = tuple(f.name for f in fields(cls)
+                                            if f.type in ("int", int))
+    return names
+
+
+_COUNTER_NAMES: dict[type[SourceStats], tuple[str, ...]] = {}
+
+
+_REFUSED_NAMES = {reason: f"refused_{reason}" for reason in REFUSAL_REASONS}
 
 
 @dataclass(frozen=True, slots=True)
