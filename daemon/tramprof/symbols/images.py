@@ -164,7 +164,7 @@ class ProcessImage:
             self.jit_places.clear()
             if jit is not None:
                 jit.take_changes()  # forgotten with the rest
-        else:
+        elif jit is not None and jit.changes:  # tested here: twice a stack
             self._forget_changed_jit()
         return symbolizer
 

@@ -122,8 +122,11 @@ class SourceStats:
         (each drain sums these over every process's readers)."""
         out = {name: getattr(self, name) for name in _counter_names(type(self))}
         for reason, count in self.refused.items():
-            out[_REFUSED_NAMES.get(reason) or f"refused_{reason}"] = count
+            out[f"refused_{reason}"] = count
         return out
+
+
+_COUNTER_NAMES: dict[type[SourceStats], tuple[str, ...]] = {}
 
 
 def _counter_names(cls: type[SourceStats]) -> tuple[str, ...]:
@@ -133,12 +136,6 @@ def _counter_names(cls: type[SourceStats]) -> tuple[str, ...]:
         names = _COUNTER_NAMES[cls] = tuple(f.name for f in fields(cls)
                                             if f.type in ("int", int))
     return names
-
-
-_COUNTER_NAMES: dict[type[SourceStats], tuple[str, ...]] = {}
-
-
-_REFUSED_NAMES = {reason: f"refused_{reason}" for reason in REFUSAL_REASONS}
 
 
 @dataclass(frozen=True, slots=True)
