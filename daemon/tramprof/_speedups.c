@@ -1,8 +1,8 @@
 /*
  * The per-frame passes of naming a drained stack (merging trampoline frames,
  * the cache lookups, names other processes found), the three as one pass
- * over a whole stack, and the parse of a process's maps (at the bottom), in
- * C.
+ * over a whole stack, the parse of a process's maps, and the ordered
+ * accesses of a perf ring's control page (at the bottom), in C.
  *
  * A busy node drains ~1,000 distinct stacks of up to ~160 frames every
  * interval. In Python, merging a stack's trampoline frames into its native
@@ -790,6 +790,57 @@ done:
     return result;
 }
 
+/*
+ * ring_head(ring) -> int, ring_tail(ring, tail)
+ *
+ * A perf ring's data_head, read with acquire order (no record after it is
+ * read before it), and its data_tail, stored with release order (every
+ * record before it is read first): include/uapi/linux/perf_event.h asks a
+ * reader for these barriers (tramprof.sampler.perfring). ``ring`` is the
+ * writable mapping of the ring, its control page first.
+ */
+#define RING_DATA_HEAD 1024
+#define RING_DATA_TAIL 1032
+
+static uint64_t *
+ring_word(Py_buffer *view, Py_ssize_t offset)
+{
+    if (view->len < offset + 8 || ((uintptr_t)view->buf + offset) % 8) {
+        PyErr_SetString(PyExc_ValueError, "not a perf ring's mapping");
+        return NULL;
+    }
+    return (uint64_t *)((char *)view->buf + offset);
+}
+
+static PyObject *
+ring_head(PyObject *self, PyObject *ring)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(ring, &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    uint64_t *word = ring_word(&view, RING_DATA_HEAD);
+    PyObject *head = word == NULL ? NULL
+        : PyLong_FromUnsignedLongLong(__atomic_load_n(word, __ATOMIC_ACQUIRE));
+    PyBuffer_Release(&view);
+    return head;
+}
+
+static PyObject *
+ring_tail(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    unsigned long long tail;
+    if (!PyArg_ParseTuple(args, "w*K:ring_tail", &view, &tail))
+        return NULL;
+    uint64_t *word = ring_word(&view, RING_DATA_TAIL);
+    if (word != NULL)
+        __atomic_store_n(word, (uint64_t)tail, __ATOMIC_RELEASE);
+    PyBuffer_Release(&view);
+    if (word == NULL)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"merge_trampolines", merge_trampolines, METH_VARARGS,
      "A sample's lookup addresses with its trampoline frames merged in (None: not the "
@@ -808,14 +859,18 @@ static PyMethodDef methods[] = {
      "The start addresses of the mappings of a stack's places (None: not all places)."},
     {"parse_maps", parse_maps, METH_VARARGS,
      "The lines of a maps text as mappings, in file order (None: not all kernel lines)."},
+    {"ring_head", ring_head, METH_O,
+     "A perf ring's data_head, read with acquire order."},
+    {"ring_tail", ring_tail, METH_VARARGS,
+     "Stores a perf ring's data_tail with release order."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "tramprof._speedups",
-    .m_doc = "The per-frame passes of naming a stack and the maps parse, in C (Python's code "
-              "is the reference).",
+    .m_doc = "The per-frame passes of naming a stack, the maps parse and a perf ring's "
+              "ordered accesses, in C (Python's code is the reference).",
     .m_size = -1,
     .m_methods = methods,
 };

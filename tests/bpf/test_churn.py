@@ -102,8 +102,8 @@ def test_lifecycle_events_are_read_in_batches_between_drains_and_at_each_drain(t
 
 def test_the_new_process_buffers_are_read_when_they_woke_the_loop(targets):
     """A wake for another reason (a timeout, the recorder's descriptor) does
-    not read the new-process buffers, which costs a cache-cold pass through
-    the perf readers each time; a newly sampled process still wakes the loop
+    not read the new-process rings, which costs a cache-cold pass over them
+    each time; a newly sampled process still wakes the loop
     and is warmed while it runs."""
     profiler = Profiler(Config(frequency=99, interval=10.0))
     profiler.start()
@@ -174,14 +174,14 @@ def test_a_process_gone_before_it_was_warmed_is_counted(targets):
 
 def test_the_loop_waits_on_the_open_new_process_buffers():
     """The descriptors the loop polls at every wake, kept from the buffers'
-    opening: one perf event per CPU, exactly the library's, none before the
+    opening: one perf event per CPU, exactly the rings', none before the
     start or after the close; each call's list is the caller's own."""
     profiler = Profiler(Config(frequency=99, interval=10.0))
     try:
         assert profiler.event_fds() == []
         profiler.start()
         fds = profiler.event_fds()
-        assert sorted(fds) == sorted(profiler.sampler._bpf.perf_buffer_fds())
+        assert sorted(fds) == sorted(ring.fd for ring in profiler.sampler._new_process_rings)
         assert len(fds) == len(get_online_cpus())
         assert {os.readlink(f"/proc/self/fd/{fd}") for fd in fds} == {"anon_inode:[perf_event]"}
         fds.append(-1)

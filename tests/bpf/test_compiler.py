@@ -19,6 +19,7 @@ from tramprof.sampler.loaded import (
     online_cpus,
     possible_cpus,
 )
+from tramprof.sampler.perfring import close_rings, open_rings
 
 from tests.conftest import requires_root
 
@@ -206,21 +207,21 @@ def test_batches_read_and_delete_every_entry(every_kind):
 
 def test_perf_events_and_buffers_open_and_close(every_kind):
     """A program attached to a software event on every CPU submits records
-    that the perf buffer callbacks receive; cleanup detaches and closes all."""
+    that the perf rings receive; closing them and cleanup leave nothing open."""
     program = every_kind
     del program[b"jumps"][0]  # one record per sample, not one per tail call
     before = set(os.listdir("/proc/self/fd"))
     records: list[int] = []
-    program[b"events"].open_perf_buffer(
-        lambda cpu, data, size: records.append(ctypes.cast(
-            data, ctypes.POINTER(ctypes.c_uint64)).contents.value))
-    assert len(program.perf_buffer_fds()) == len(online_cpus())
+    rings = open_rings(program[b"events"], 8)
+    assert len(rings) == len(online_cpus())
     program.attach_perf_event(ev_type=1, ev_config=0, fn_name=b"writer", sample_freq=999)
     assert len(program.open_perf_events[(1, 0)]) == len(online_cpus())
     deadline = time.monotonic() + 2
     while time.monotonic() < deadline and not records:
-        program.perf_buffer_consume()
+        for ring in rings:
+            records += (int.from_bytes(raw[:8], "little") for raw in ring.read()[0])
     assert records and set(records) == {1}
+    close_rings(program[b"events"], rings)
     program.cleanup()
     assert not set(os.listdir("/proc/self/fd")) - before
 

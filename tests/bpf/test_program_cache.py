@@ -5,7 +5,6 @@ refuses costs one compile and nothing else (root: real bcc, real kernel)."""
 from __future__ import annotations
 
 import base64
-import ctypes
 import json
 import os
 import struct
@@ -19,6 +18,7 @@ from tramprof.config import Config
 from tramprof.pipeline.profiler import Profiler
 from tramprof.sampler.compiler import LoadRequest, compile_and_load
 from tramprof.sampler.image import ImageError, load_image
+from tramprof.sampler.perfring import close_rings, open_rings
 
 from tests.bpf.test_compiler import ALL_MAPS, PERF_EVENT
 from tests.bpf.test_privileges_root import CHAIN
@@ -51,14 +51,15 @@ def test_an_image_loads_and_runs_without_the_compiler(all_maps_image):
     program[b"settings"][0] = program[b"settings"].Leaf(5)
     program[b"outer"][0] = program[b"inner"].map_fd  # the inner shape fits
     records: list[int] = []
-    program[b"events"].open_perf_buffer(lambda cpu, data, size: records.append(
-        ctypes.cast(data, ctypes.POINTER(ctypes.c_uint64)).contents.value))
+    rings = open_rings(program[b"events"], 8)
     program.attach_perf_event(ev_type=1, ev_config=0, fn_name=b"writer", sample_freq=999)
     deadline = time.monotonic() + 2
     while time.monotonic() < deadline and len(records) < 50:
-        program.perf_buffer_consume()
+        for ring in rings:
+            records += (int.from_bytes(raw[:8], "little") for raw in ring.read()[0])
     things = [(key.pid, value.value) for key, value in program[b"things"].items()]
     narrow = sum(program[b"narrow"].getvalue(program[b"narrow"].Key(0)))
+    close_rings(program[b"events"], rings)
     program.cleanup()
     assert len(records) >= 50 and set(records) == {2}  # outer[0] is set: one = 2
     assert things == [(0, 1)]  # counted before outer is looked at

@@ -4,11 +4,12 @@ its descriptors: the maps as bcc-style tables, the programs, the perf events.
 The compiler child (``sampler.compiler``) runs bcc's clang and LLVM and exits;
 this process never maps LLVM (merely importing bcc costs ~60 MB of RSS). What
 the daemon needs of bcc afterwards is its small runtime library,
-``libbcc_bpf.so.0`` (map access, perf readers, perf event attachment; no
-LLVM), and the table interface that ``program``, ``maps``, ``tables`` and
-``drain`` use: ``get_table(name, keytype, leaftype)``, ``bpf[name]``,
-``Key``/``Leaf``, item access, iteration, per-CPU values, stack walks and
-perf buffers, with the semantics of bcc 0.26's ``bcc/table.py``. Tables asked
+``libbcc_bpf.so.0`` (map access, perf event attachment; no LLVM), and the
+table interface that ``program``, ``maps``, ``tables`` and ``drain`` use:
+``get_table(name, keytype, leaftype)``, ``bpf[name]``, ``Key``/``Leaf``,
+item access, iteration, per-CPU values and stack walks, with the semantics
+of bcc 0.26's ``bcc/table.py``. Perf event arrays are read by
+``sampler.perfring``, not by bcc's perf readers. Tables asked
 for without explicit types get them from bcc's JSON type descriptions, which
 the child sends along; explicit types must have the map's key and value sizes.
 """
@@ -20,7 +21,7 @@ import ctypes
 import errno
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -48,16 +49,6 @@ _NO_BATCH = (errno.EINVAL, 524, errno.EOPNOTSUPP)
 STACK_MAX_DEPTH = 127
 _BPF_F_STACK_BUILD_ID = 1 << 5
 
-_RAW_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
-_LOST_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ulonglong)
-
-
-class _PerfBufferOptions(ctypes.Structure):
-    """struct bcc_perf_buffer_opts (bcc's libbpf.h)."""
-
-    _fields_ = [("pid", ctypes.c_int), ("cpu", ctypes.c_int), ("wakeup_events", ctypes.c_int)]
-
-
 @cache
 def runtime() -> ctypes.CDLL:
     """bcc's runtime library (the non-compiler half of bcc), typed."""
@@ -72,11 +63,6 @@ def runtime() -> ctypes.CDLL:
         "bpf_lookup_batch": (c_int, [c_int, c_void_p, c_void_p, c_void_p, c_void_p,
                                      ctypes.POINTER(ctypes.c_uint32)]),
         "bpf_delete_batch": (c_int, [c_int, c_void_p, ctypes.POINTER(ctypes.c_uint32)]),
-        "bpf_open_perf_buffer_opts": (c_void_p, [_RAW_CALLBACK, _LOST_CALLBACK, c_void_p,
-                                                 c_int, ctypes.POINTER(_PerfBufferOptions)]),
-        "perf_reader_consume": (c_int, [c_int, ctypes.POINTER(c_void_p)]),
-        "perf_reader_free": (None, [c_void_p]),
-        "perf_reader_fd": (c_int, [c_void_p]),
         "bpf_attach_perf_event": (c_int, [c_int, ctypes.c_uint32, ctypes.c_uint32,
                                           ctypes.c_uint64, ctypes.c_uint64, c_int, c_int,
                                           c_int]),
@@ -474,58 +460,8 @@ class StackTrace(Table):
 
 
 class PerfEventArray(ArrayTable):
-    """A perf event array read through bcc's per-CPU perf readers."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self._callbacks: dict[int, tuple[Any, Any]] = {}
-
-    def open_perf_buffer(self, callback: Callable[[int, Any, int], None], page_cnt: int = 8,
-                         lost_cb: Callable[[int], None] | None = None,
-                         wakeup_events: int = 1) -> None:
-        """Call ``callback(cpu, data, size)`` for each record the program
-        submits (from ``perf_buffer_consume``); ``page_cnt`` pages per CPU."""
-        if page_cnt <= 0 or page_cnt & (page_cnt - 1):
-            raise ValueError("Perf buffer page_cnt must be a power of two")
-        for cpu in online_cpus():
-            self._open_perf_buffer(cpu, callback, page_cnt, lost_cb, wakeup_events)
-
-    def _open_perf_buffer(self, cpu: int, callback: Callable[[int, Any, int], None],
-                          page_cnt: int, lost_cb: Callable[[int], None] | None,
-                          wakeup_events: int) -> None:
-        def on_raw(_cookie: Any, data: Any, size: int) -> None:
-            callback(cpu, data, size)
-
-        def on_lost(_cookie: Any, lost: int) -> None:
-            if lost_cb is not None:
-                lost_cb(lost)
-
-        raw_fn = _RAW_CALLBACK(on_raw)
-        lost_fn = _LOST_CALLBACK(on_lost)
-        options = _PerfBufferOptions(pid=-1, cpu=cpu, wakeup_events=wakeup_events)
-        reader = self._lib.bpf_open_perf_buffer_opts(raw_fn, lost_fn, None, page_cnt,
-                                                     ctypes.byref(options))
-        if not reader:
-            code = ctypes.get_errno() or errno.EIO
-            raise OSError(code, f"Could not open perf buffer on CPU {cpu}: "
-                                f"{os.strerror(code)}")
-        try:
-            self[self.Key(cpu)] = self.Leaf(self._lib.perf_reader_fd(reader))
-        except OSError:
-            self._lib.perf_reader_free(reader)
-            raise
-        self.bpf.perf_buffers[(id(self), cpu)] = reader
-        self._callbacks[cpu] = (raw_fn, lost_fn)  # ctypes callbacks must outlive the reader
-
-    def close_perf_buffers(self) -> None:
-        """Take the readers out of the map, then free them."""
-        for cpu in list(self._callbacks):
-            with contextlib.suppress(KeyError, IndexError):
-                super().__delitem__(self.Key(cpu))
-            reader = self.bpf.perf_buffers.pop((id(self), cpu), None)
-            if reader is not None:
-                self._lib.perf_reader_free(reader)
-            del self._callbacks[cpu]
+    """A perf event array: its entries are perf event descriptors, one a CPU
+    (``sampler.perfring`` opens and reads them)."""
 
 
 _TABLE_CLASSES: dict[int, type[Table]] = {
@@ -553,7 +489,6 @@ class LoadedProgram:
         self._maps = dict(maps)
         self.funcs = {name: Function(name, fd) for name, fd in functions.items()}
         self.tables: dict[bytes, Table] = {}
-        self.perf_buffers: dict[tuple[int, int], int] = {}
         self.open_perf_events: dict[tuple[int, int], dict[int, int]] = {}
         self._lib = runtime()
 
@@ -586,15 +521,6 @@ class LoadedProgram:
             self.tables[name] = self.get_table(name)
         return self.tables[name]
 
-    def perf_buffer_fds(self) -> list[int]:
-        """Descriptors that become readable when a perf buffer has records."""
-        return [int(self._lib.perf_reader_fd(reader)) for reader in self.perf_buffers.values()]
-
-    def perf_buffer_consume(self) -> None:
-        """Run the callbacks of every record waiting in the perf buffers."""
-        readers = (ctypes.c_void_p * len(self.perf_buffers))(*self.perf_buffers.values())
-        self._lib.perf_reader_consume(len(readers), readers)
-
     def attach_perf_event(self, ev_type: int, ev_config: int, fn_name: bytes,
                           sample_period: int = 0, sample_freq: int = 0, pid: int = -1,
                           cpu: int = -1, group_fd: int = -1) -> None:
@@ -623,17 +549,11 @@ class LoadedProgram:
             self._lib.bpf_close_perf_event_fd(fd)
 
     def cleanup(self) -> None:
-        """Detach the perf events, free the perf readers, close every map
-        and program descriptor (the kernel unloads what nothing else holds)."""
+        """Detach the perf events, close every map and program descriptor
+        (the kernel unloads what nothing else holds)."""
         for event in list(self.open_perf_events):
             self.detach_perf_event(*event)
-        for table in self.tables.values():
-            if isinstance(table, PerfEventArray):
-                table.close_perf_buffers()
         self.tables.clear()
-        for reader in self.perf_buffers.values():  # of tables made by get_table()
-            self._lib.perf_reader_free(reader)
-        self.perf_buffers.clear()
         for function in self.funcs.values():
             os.close(function.fd)
         self.funcs.clear()

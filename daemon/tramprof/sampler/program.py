@@ -40,6 +40,7 @@ from tramprof.sampler.image import ImageError, load_image
 from tramprof.sampler.layout import Counter
 from tramprof.sampler.loaded import LoadedProgram
 from tramprof.sampler.maps import ProcessMaps
+from tramprof.sampler.perfring import PerfRing, close_rings, open_rings
 from tramprof.sampler.programcache import ProgramCache, cache_key
 from tramprof.sampler.tables import CHUNK_BYTES, UnwindTableMaps
 
@@ -48,6 +49,13 @@ log = logging.getLogger(__name__)
 # A BPF program runs for tens of microseconds at most; after this long every
 # program that read the old buffer number has finished.
 DRAIN_GRACE_SECONDS = 0.005
+
+# Pages of each CPU's new-process ring: 64 KiB, ~1,600 records of 36 bytes.
+NEW_PROCESS_PAGES = 16
+# struct tp_process_seen (layout.ProcessSeen): tgid, pad, start time, exec id.
+_PROCESS_SEEN = struct.Struct("=I4xQQ")
+if _PROCESS_SEEN.size != ctypes.sizeof(bpf_layout.ProcessSeen):
+    raise ImportError("the new-process record's struct layout and layout.ProcessSeen disagree")
 
 # _IOW('$', 4, __u64): a new sample period, or frequency for frequency-mode events.
 _PERF_EVENT_IOC_PERIOD = 0x40082404
@@ -179,10 +187,9 @@ class Sampler:
         self._bpf: Any = None
         self._active = 0
         self._filter: list[int] | None = None
-        self._new_processes: list[tuple[int, int, int]] = []
-        # The new-process buffers' descriptors, asked for at every wake of
-        # the loop: kept from when the buffers are opened (one library call
-        # per CPU each time otherwise) until they are closed.
+        # The new-process rings, one a CPU, and their descriptors (asked for
+        # at every wake of the loop), from when they are opened until closed.
+        self._new_process_rings: list[PerfRing] = []
         self._event_fds: tuple[int, ...] = ()
         self.new_process_events_lost = 0
         self._stats_fd: int | None = None
@@ -284,18 +291,8 @@ class Sampler:
         return compiled.program
 
     def _open_new_process_events(self) -> None:
-        def on_event(cpu: int, data: Any, size: int) -> None:
-            if size < ctypes.sizeof(bpf_layout.ProcessSeen):
-                return
-            event = ctypes.cast(data, ctypes.POINTER(bpf_layout.ProcessSeen)).contents
-            self._new_processes.append(
-                (int(event.tgid), int(event.start_boottime), int(event.exec_id)))
-
-        def on_lost(lost: int) -> None:
-            self.new_process_events_lost += int(lost)
-
-        self._bpf[b"new_processes"].open_perf_buffer(on_event, page_cnt=16, lost_cb=on_lost)
-        self._event_fds = tuple(self._bpf.perf_buffer_fds())
+        self._new_process_rings = open_rings(self._bpf[b"new_processes"], NEW_PROCESS_PAGES)
+        self._event_fds = tuple(ring.fd for ring in self._new_process_rings)
 
     def event_fds(self) -> list[int]:
         """File descriptors that become readable when new processes were seen
@@ -304,8 +301,12 @@ class Sampler:
 
     def new_processes(self) -> list[tuple[int, int, int]]:
         """(tgid, start_boottime_ns, exec_id) of images sampled for the first time."""
-        self._bpf.perf_buffer_consume()
-        seen, self._new_processes = self._new_processes, []
+        seen: list[tuple[int, int, int]] = []
+        for ring in self._new_process_rings:
+            records, lost = ring.read()
+            self.new_process_events_lost += lost
+            seen.extend(_PROCESS_SEEN.unpack_from(record) for record in records
+                        if len(record) >= _PROCESS_SEEN.size)
         return seen
 
     def _attach(self) -> None:
@@ -471,8 +472,12 @@ class Sampler:
         if self._stats_fd is not None:
             os.close(self._stats_fd)
             self._stats_fd = None
+        self._event_fds = ()
+        if self._new_process_rings:
+            close_rings(self._bpf[b"new_processes"] if self._bpf is not None else None,
+                        self._new_process_rings)
+            self._new_process_rings = []
         if self._bpf is not None:
-            self._event_fds = ()
             self._bpf.cleanup()
             self._bpf = None
             self._maps = None
