@@ -73,6 +73,39 @@ def _seqs(records: list[bytes]) -> list[int]:
     return seqs
 
 
+def _sampling(writer) -> tuple[list[PerfRing], dict[int, list[int]]]:
+    """One-page rings on every CPU, written to by the program at 999 Hz,
+    and an empty list of record numbers for each."""
+    rings = open_rings(writer[b"out"], 1)
+    try:
+        writer.attach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK,
+                                 fn_name=b"writer", sample_freq=999)
+    except BaseException:
+        close_rings(writer[b"out"], rings)
+        raise
+    return rings, {ring.cpu: [] for ring in rings}
+
+
+def _read_all(rings: list[PerfRing], by_cpu: dict[int, list[int]]) -> int:
+    """Read every ring once: each record's number goes to its CPU's list;
+    returns the records told lost."""
+    lost = 0
+    for ring in rings:
+        records, dropped = ring.read()
+        by_cpu[ring.cpu] += _seqs(records)
+        lost += dropped
+    return lost
+
+
+def _stopped(writer, rings: list[PerfRing], by_cpu: dict[int, list[int]]
+             ) -> tuple[int, int, int]:
+    """Stop the program, read what is left: the records told lost in it,
+    and the program's counts of records written and refused."""
+    writer.detach_perf_event(PERF_TYPE_SOFTWARE, PERF_COUNT_SW_CPU_CLOCK)
+    lost = _read_all(rings, by_cpu)
+    return (lost, *_sent(writer))
+
+
 def _sent(program) -> tuple[int, int]:
     sent = program[b"sent"]
     return sum(sent.getvalue(sent.Key(0))), sum(sent.getvalue(sent.Key(1)))
@@ -88,25 +121,15 @@ def test_records_come_whole_and_in_order_across_the_ring_end(writer, part, monke
         monkeypatch.setattr(speedups, "compiled", None)
     elif speedups.compiled is None:
         pytest.skip("the compiled part was not built")
-    rings = open_rings(writer[b"out"], 1)
-    by_cpu: dict[int, list[int]] = {ring.cpu: [] for ring in rings}
+    rings, by_cpu = _sampling(writer)
     lost = 0
     try:
-        writer.attach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK,
-                                 fn_name=b"writer", sample_freq=999)
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            for ring in rings:
-                records, dropped = ring.read()
-                by_cpu[ring.cpu] += _seqs(records)
-                lost += dropped
+            lost += _read_all(rings, by_cpu)
             time.sleep(0.005)
-        writer.detach_perf_event(PERF_TYPE_SOFTWARE, PERF_COUNT_SW_CPU_CLOCK)
-        for ring in rings:
-            records, dropped = ring.read()
-            by_cpu[ring.cpu] += _seqs(records)
-            lost += dropped
-        written, refused = _sent(writer)
+        last_lost, written, refused = _stopped(writer, rings, by_cpu)
+        lost += last_lost
     finally:
         close_rings(writer[b"out"], rings)
     assert sorted(by_cpu) == online_cpus()
@@ -124,29 +147,19 @@ def test_records_that_did_not_fit_are_counted_as_lost(writer):
     so it would tell its losses only later.)"""
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in online_cpus()]
-    rings = open_rings(writer[b"out"], 1)
-    by_cpu: dict[int, list[int]] = {ring.cpu: [] for ring in rings}
+    rings, by_cpu = _sampling(writer)
     lost = 0
     try:
-        writer.attach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_CPU_CLOCK,
-                                 fn_name=b"writer", sample_freq=999)
         time.sleep(0.5)  # ~500 records a CPU for ~100 places
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:  # room again: the losses are told
-            for ring in rings:
-                records, dropped = ring.read()
-                by_cpu[ring.cpu] += _seqs(records)
-                lost += dropped
+            lost += _read_all(rings, by_cpu)
             written, refused = _sent(writer)
             if refused and lost == refused:
                 break
             time.sleep(0.005)
-        writer.detach_perf_event(PERF_TYPE_SOFTWARE, PERF_COUNT_SW_CPU_CLOCK)
-        for ring in rings:
-            records, dropped = ring.read()
-            by_cpu[ring.cpu] += _seqs(records)
-            lost += dropped
-        written, refused = _sent(writer)
+        last_lost, written, refused = _stopped(writer, rings, by_cpu)
+        lost += last_lost
     finally:
         close_rings(writer[b"out"], rings)
         for spinner in spinners:
