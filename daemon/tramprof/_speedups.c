@@ -797,7 +797,9 @@ done:
  * read before it), and its data_tail, stored with release order (every
  * record before it is read first): include/uapi/linux/perf_event.h asks a
  * reader for these barriers (tramprof.sampler.perfring). ``ring`` is the
- * writable mapping of the ring, its control page first.
+ * writable mapping of the ring, its control page first. Unlike the passes
+ * above, they raise (ValueError) for anything else: the Python they stand
+ * for is the same access without the barriers.
  */
 #define RING_DATA_HEAD 1024
 #define RING_DATA_TAIL 1032

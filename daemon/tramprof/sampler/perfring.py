@@ -2,10 +2,11 @@
 read straight from the kernel's per-CPU rings.
 
 bcc's perf readers hand each record to a ctypes callback. The loop is woken
-for every newly sampled process, and on a busy node each wake spent ~70 us
-in that machinery, run cache-cold: converting the arguments, taking the GIL
-again, casting the record. Here a wake costs two reads of the ring's
-control page and a copy of the new bytes.
+for every newly sampled process, and each wake went through that machinery
+cache-cold: converting the arguments, taking the GIL again, casting the
+record (~30 us a wake more than reading the rings directly, measured with
+short-lived processes next to cache-thrashing ones). Here a wake costs two
+reads of each ring's control page and a copy of the new bytes.
 
 The ring (``struct perf_event_mmap_page``, include/uapi/linux/perf_event.h):
 one control page, then ``pages`` pages of records that wrap around. The

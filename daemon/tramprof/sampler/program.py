@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 # program that read the old buffer number has finished.
 DRAIN_GRACE_SECONDS = 0.005
 
-# Pages of each CPU's new-process ring: 64 KiB, ~1,600 records of 36 bytes.
+# Pages of each CPU's new-process ring: 64 KiB, ~1,600 records of 40 bytes.
 NEW_PROCESS_PAGES = 16
 # struct tp_process_seen (layout.ProcessSeen): tgid, pad, start time, exec id.
 _PROCESS_SEEN = struct.Struct("=I4xQQ")
