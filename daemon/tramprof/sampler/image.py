@@ -21,7 +21,6 @@ import ctypes
 import os
 import struct
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 from tramprof.sampler.loaded import (
@@ -29,6 +28,7 @@ from tramprof.sampler.loaded import (
     MAP_HASH_OF_MAPS,
     LoadedProgram,
     MapSpec,
+    libc,
     runtime,
 )
 
@@ -167,15 +167,8 @@ def _object_name(name: str) -> bytes:
                  for c in name.encode()[:_OBJ_NAME_LEN - 1])
 
 
-@cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    return libc
-
-
 def _bpf(command: int, attr: ctypes.Structure) -> int:
-    fd = _libc().syscall(ctypes.c_long(_SYS_BPF), ctypes.c_int(command), ctypes.byref(attr),
+    fd = libc().syscall(ctypes.c_long(_SYS_BPF), ctypes.c_int(command), ctypes.byref(attr),
                       ctypes.c_uint(ctypes.sizeof(attr)))
     if fd < 0:
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))

@@ -50,6 +50,15 @@ STACK_MAX_DEPTH = 127
 _BPF_F_STACK_BUILD_ID = 1 << 5
 
 @cache
+def libc() -> ctypes.CDLL:
+    """The C library, for the system calls it has no wrapper of (``syscall``
+    returns a long)."""
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.syscall.restype = ctypes.c_long
+    return lib
+
+
+@cache
 def runtime() -> ctypes.CDLL:
     """bcc's runtime library (the non-compiler half of bcc), typed."""
     lib = ctypes.CDLL(RUNTIME_LIBRARY, use_errno=True)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import functools
 import mmap
 import os
 import platform
@@ -35,7 +34,7 @@ import struct
 from typing import Any, Final
 
 from tramprof import speedups
-from tramprof.sampler.loaded import online_cpus
+from tramprof.sampler.loaded import libc, online_cpus
 
 # perf_event_open by machine (arch/*/syscall tables; the generic table
 # serves arm64 and riscv64).
@@ -62,22 +61,17 @@ _RAW_SIZE: Final = struct.Struct("=I")
 _LOST: Final = struct.Struct("=8xQQ")
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _perf_event_open(cpu: int, wakeup_events: int) -> int:
-    """A BPF output event on ``cpu`` (every process), woken every
-    ``wakeup_events`` records."""
+def _perf_event_open(cpu: int) -> int:
+    """A BPF output event on ``cpu`` (every process) that wakes its poller
+    at every record: a newly sampled process is looked at at once."""
     machine = platform.machine()
     number = _PERF_EVENT_OPEN.get(machine)
     if number is None:
         raise OSError(errno.ENOSYS, f"perf_event_open: unknown machine {machine}")
     attr = ctypes.create_string_buffer(_ATTR.pack(
         _PERF_TYPE_SOFTWARE, _ATTR.size, _PERF_COUNT_SW_BPF_OUTPUT, 1, _PERF_SAMPLE_RAW, 0, 0,
-        wakeup_events, 0, 0), _ATTR.size)
-    fd = _libc().syscall(ctypes.c_long(number), attr, ctypes.c_int(-1), ctypes.c_int(cpu),
+        1, 0, 0), _ATTR.size)
+    fd = libc().syscall(ctypes.c_long(number), attr, ctypes.c_int(-1), ctypes.c_int(cpu),
                       ctypes.c_int(-1), ctypes.c_ulong(_PERF_FLAG_FD_CLOEXEC))
     if fd < 0:
         code = ctypes.get_errno() or errno.EIO
@@ -88,11 +82,11 @@ def _perf_event_open(cpu: int, wakeup_events: int) -> int:
 class PerfRing:
     """One CPU's ring of BPF output records."""
 
-    def __init__(self, cpu: int, pages: int, wakeup_events: int = 1) -> None:
+    def __init__(self, cpu: int, pages: int) -> None:
         if pages <= 0 or pages & (pages - 1):
             raise ValueError(f"a perf ring has a power of two of pages, not {pages}")
         self.cpu = cpu
-        self.fd = _perf_event_open(cpu, wakeup_events)
+        self.fd = _perf_event_open(cpu)
         page = mmap.PAGESIZE
         self._size = pages * page
         try:
@@ -154,12 +148,12 @@ class PerfRing:
         self.fd = -1
 
 
-def open_rings(table: Any, pages: int, cpus: list[int] | None = None) -> list[PerfRing]:
-    """A ring on each online CPU (or each of ``cpus``), put in the perf event
-    array ``table`` (bcc's or ``sampler.loaded``'s) at its CPU: all or none."""
+def open_rings(table: Any, pages: int) -> list[PerfRing]:
+    """A ring on each online CPU, put in the perf event array ``table``
+    (bcc's or ``sampler.loaded``'s) at its CPU: all or none."""
     rings: list[PerfRing] = []
     try:
-        for cpu in online_cpus() if cpus is None else cpus:
+        for cpu in online_cpus():
             ring = PerfRing(cpu, pages)
             rings.append(ring)
             table[table.Key(cpu)] = table.Leaf(ring.fd)
