@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import struct
 import subprocess
@@ -19,7 +20,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tramprof.model import SymbolizationError
-from tramprof.symbols.elf import ElfCache, ElfError, ElfSymbols, LoadSegment, read_build_id
+from tramprof.symbols.elf import (
+    MAX_REMEMBERED_SPANS,
+    ElfCache,
+    ElfError,
+    ElfSymbols,
+    LoadSegment,
+    read_build_id,
+)
 
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O2", "-fno-omit-frame-pointer"]
@@ -237,6 +245,23 @@ def test_executable_span_needs_one_executable_segment_alone() -> None:
     assert elf(data).executable_span(0x1700) is None
     empty = LoadSegment(offset=0x1000, vaddr=0x401000, filesz=0, memsz=0x800, flags=5)
     assert elf(empty).executable_span(0x1000) is None
+
+
+def test_executable_span_asked_again_answers_as_the_first_time(bins: dict[str, Path]) -> None:
+    """Every process mapping an object asks for its span: answered from
+    memory after the first time, the same as worked out afresh, for more
+    offsets than are remembered and in any order."""
+    elf = ElfSymbols.from_path(bins["pie"])
+    (offset, filesz), = [(s.offset, s.filesz) for s in elf.segments if s.executable]
+    asked = [offset + filesz * i // 40 for i in range(40)] + [0, offset + filesz, 1 << 40]
+    fresh = [ElfSymbols.from_path(bins["pie"]).executable_span(at) for at in asked]
+    rng = random.Random(3)
+    for _ in range(3):
+        order = list(range(len(asked)))
+        rng.shuffle(order)
+        assert [elf.executable_span(asked[i]) for i in order] == [fresh[i] for i in order]
+    assert fresh.count(None) == (2 if offset == 0 else 3)
+    assert len(elf._spans) == MAX_REMEMBERED_SPANS
 
 
 def test_from_bytes_equals_from_path(bins: dict[str, Path]) -> None:

@@ -47,6 +47,10 @@ _FUNC_TYPES = (2, 10)  # STT_FUNC, STT_GNU_IFUNC
 _STB_LOCAL = 0
 _STB_WEAK = 2
 _NT_GNU_BUILD_ID = 3
+#: Distinct file offsets whose executable span an object remembers: the
+#: offsets processes map it at (one or two; more only from a process that
+#: maps pieces of it on purpose: past the bound, worked out at each ask).
+MAX_REMEMBERED_SPANS = 8
 # A file is the process's to choose, sparse files cost nothing to make, and
 # pyelftools builds a Python object per header: bound what one file may cost.
 # Real binaries have tens of sections and a handful of segments; the largest
@@ -123,6 +127,7 @@ class ElfSymbols:
     __slots__ = (
         "_memory",
         "_names",
+        "_spans",
         "_starts",
         "build_id",
         "cache_key",
@@ -160,6 +165,9 @@ class ElfSymbols:
         self._names = PackedNames(names)
         self.symbol_count = self._names.count()
         self._memory: int | None = None
+        # executable_span by file offset: every process mapping this object
+        # asks for the same one or two.
+        self._spans: dict[int, tuple[int, int, int] | None] = {}
         #: What the shared ``ElfCache`` knows this object by (its build id, or
         #: the file's identity), None outside it: names found in it are shared
         #: under this key (``ElfCache.shared_name``).
@@ -195,6 +203,14 @@ class ElfSymbols:
         only one holding any of its bytes: its file range ``[first, end)``
         and ``vaddr - file offset`` in it (``file_offset_to_vaddr`` of any
         offset in the range is one addition). None otherwise."""
+        if offset in self._spans:
+            return self._spans[offset]
+        span = self._executable_span(offset)
+        if len(self._spans) < MAX_REMEMBERED_SPANS:
+            self._spans[offset] = span
+        return span
+
+    def _executable_span(self, offset: int) -> tuple[int, int, int] | None:
         holders = [seg for seg in self.segments if seg.executable and seg.filesz > 0]
         found = [seg for seg in holders if seg.contains_offset(offset)]
         if len(found) != 1:
