@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import median, sleepers
-from tramprof.procfs.identity import read_stat
+from tramprof.procfs.identity import read_proc_file, read_stat
 from tramprof.symbols.images import ProcessRegistry
 
 # A mapping line's range, permissions and path (``/proc/PID/maps``).
@@ -51,26 +51,15 @@ _THRASH = ("import random\nx = [random.random() for _ in range(2_000_000)]\n"
            "while True:\n    x.sort()\n    random.shuffle(x)\n")
 
 
-def _read(path: str) -> bytes:
-    """A /proc file as the daemon reads it (``procfs.identity.read_proc_file``)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 def reads_only(pid: int) -> None:
-    """The system calls of a warm, without the work around them."""
+    """The system calls of a warm, without the work around them (the files
+    read by the daemon's own reader)."""
     proc = f"/proc/{pid}"
     os.readlink(f"{proc}/exe")
-    _read(f"{proc}/cgroup")
-    _read(f"{proc}/stat")
+    read_proc_file(pid, "cgroup")
+    read_proc_file(pid, "stat")
     seen = set()
-    for start, end, perms, path in _MAPPING.findall(_read(f"{proc}/maps")):
+    for start, end, perms, path in _MAPPING.findall(read_proc_file(pid, "maps")):
         if b"x" in perms and path not in seen:
             seen.add(path)
             os.stat(f"{proc}/map_files/{int(start, 16):x}-{int(end, 16):x}")
