@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import IO
 
 import busy_workloads
-from common import HERE, TRAMPROF, Daemon, free_port, install_trampolines, median
+from common import HERE, TRAMPROF, Daemon, free_port, install_trampolines, median, percentile
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
@@ -329,13 +329,6 @@ def runnable() -> int:
         if line.startswith("procs_running "):
             return int(line.split()[1])
     return 0
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 @dataclass

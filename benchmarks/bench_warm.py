@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import median, sleepers
+from common import median, percentile, sleepers
 from tramprof.procfs.identity import read_proc_file, read_stat
 from tramprof.symbols.images import ProcessRegistry
 
@@ -101,11 +101,6 @@ def measure(pids: list[int], pause: float) -> dict[str, list[int]]:
     return spent
 
 
-def _percentile(values: list[int], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=200)
@@ -125,8 +120,8 @@ def main() -> int:
                                         ("hot", pids[half:], 0.0)):
             spent = measure(group, pause)
             warm, reads = spent["warm"], spent["reads"]
-            rows.append((condition, median(warm) / 1e3, _percentile(warm, 0.9) / 1e3,
-                         median(reads) / 1e3, _percentile(reads, 0.9) / 1e3,
+            rows.append((condition, median(warm) / 1e3, percentile(warm, 0.9) / 1e3,
+                         median(reads) / 1e3, percentile(reads, 0.9) / 1e3,
                          median(reads) / median(warm), len(warm) + len(reads)))
     print(f"{'':6s} {'warm us p50':>12s} {'p90':>6s} {'reads us p50':>13s} {'p90':>6s} "
           f"{'reads/warm':>11s} {'processes':>10s}")

@@ -101,6 +101,14 @@ def median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The value at quantile ``q`` (0..1) of ``values``, nearest rank; NaN for none."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 @contextmanager
 def sleepers(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
     """``count`` processes of ``/usr/bin/python3``, loaded and asleep; killed
