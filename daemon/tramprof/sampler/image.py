@@ -169,7 +169,7 @@ def _object_name(name: str) -> bytes:
 
 def _bpf(command: int, attr: ctypes.Structure) -> int:
     fd = libc().syscall(ctypes.c_long(_SYS_BPF), ctypes.c_int(command), ctypes.byref(attr),
-                      ctypes.c_uint(ctypes.sizeof(attr)))
+                        ctypes.c_uint(ctypes.sizeof(attr)))
     if fd < 0:
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     return int(fd)

@@ -72,7 +72,7 @@ def _perf_event_open(cpu: int) -> int:
         _PERF_TYPE_SOFTWARE, _ATTR.size, _PERF_COUNT_SW_BPF_OUTPUT, 1, _PERF_SAMPLE_RAW, 0, 0,
         1, 0, 0), _ATTR.size)
     fd = libc().syscall(ctypes.c_long(number), attr, ctypes.c_int(-1), ctypes.c_int(cpu),
-                      ctypes.c_int(-1), ctypes.c_ulong(_PERF_FLAG_FD_CLOEXEC))
+                        ctypes.c_int(-1), ctypes.c_ulong(_PERF_FLAG_FD_CLOEXEC))
     if fd < 0:
         code = ctypes.get_errno() or errno.EIO
         raise OSError(code, f"cannot open a perf ring on CPU {cpu}: {os.strerror(code)}")
