@@ -305,6 +305,45 @@ def test_between_drains_the_chain_mode_reads_only_what_the_walker_reported(
     assert looked == [PID] * 3
 
 
+def test_after_a_drain_the_chain_mode_reads_the_sampled_the_reported_and_the_starting(
+        runtime_mappings, monkeypatch):
+    """After a drain whose samples are known, a runtime it had no samples of
+    is not read: with nothing to walk, its new arenas wait until the walker
+    meets one and reports it. The sampled, the reported and those not
+    active yet are read; the exited are forgotten. After a resync (samples
+    not known) every one is read."""
+    published = [descriptor(False, [])]
+    publish(monkeypatch, published)
+    looked: list[int] = []
+    monkeypatch.setattr(chain_module, "read_changes", lambda pid, known, root, memory: (
+        looked.append(pid), Changes(published[-1].generation, published[-1].duty))[1])
+    maps = RecordingMaps()
+    chain = ChainMode(maps, str(runtime_mappings))
+    quiet, sampled, reported, gone, starting = PID, PID + 1, PID + 2, PID + 3, PID + 4
+    chain.consider(starting, mappings(runtime_mappings))
+    published.append(descriptor(True, [(ARENA, ARENA + 0x1000)], generation=2))
+    for pid in (quiet, sampled, reported, gone):
+        chain.consider(pid, mappings(runtime_mappings))
+    assert chain.unwound() == {quiet, sampled, reported, gone}
+    grown = [(ARENA, ARENA + 0x1000), (ARENA + 0x8000, ARENA + 0x9000)]
+    published.append(descriptor(True, grown, generation=3))
+    maps.stale = {reported}
+    live = {quiet, sampled, reported, starting}
+    chain.refresh(live, full=True, sampled={sampled, gone, PID + 9})
+    assert sorted(looked) == [sampled, reported, starting]
+    for pid in (sampled, reported, starting):
+        assert maps.state[(pid, b"chain_procs")][1] == set(grown)
+    assert ARENA + 0x8000 not in chain.arenas(quiet)
+    assert (gone, b"chain_procs") not in maps.state and chain.arenas(gone) is None
+    assert chain.unwound() == live
+    looked.clear()
+    chain.refresh(live, full=True, sampled=set())
+    assert looked == []
+    chain.refresh(live)  # after a resync
+    assert sorted(looked) == sorted(live)
+    assert maps.state[(quiet, b"chain_procs")][1] == set(grown)
+
+
 def test_chain_mode_counts_unreadable_and_unsupported_descriptors(runtime_mappings,
                                                                   monkeypatch):
     def unreadable(pid, root, locator=None, mappings=None):

@@ -389,18 +389,19 @@ class Profiler:
         self._considered.forget(pid)
         self._young.forget(pid)
 
-    def _refresh_modes(self, full: bool) -> None:
-        """Refresh the unwinding modes: ``full`` after a drain or a resync,
-        else each looks only at what may have changed (``UnwindMode.refresh``)."""
+    def _refresh_modes(self, full: bool, sampled: set[int] | None = None) -> None:
+        """Refresh the unwinding modes: ``full`` after a drain (``sampled``:
+        the processes it had samples of) or a resync, else each looks only at
+        what may have changed (``UnwindMode.refresh``)."""
         began, cpu_began = time.monotonic(), time.thread_time()
         try:
-            self._refresh_modes_now(full)
+            self._refresh_modes_now(full, sampled)
         finally:
             cost = time.thread_time() - cpu_began
             self._next_mode_refresh = began + max(MODE_REFRESH_SECONDS,
                                                   cost / MODE_REFRESH_SHARE)
 
-    def _refresh_modes_now(self, full: bool) -> None:
+    def _refresh_modes_now(self, full: bool, sampled: set[int] | None) -> None:
         live = self.registry.pids()
         self.errors.forget_exited(live)
         self._considered.forget_exited(live)
@@ -409,7 +410,7 @@ class Profiler:
         for pid in live - healthy:
             self._drop(pid)
         try:
-            self.unwinders.refresh(healthy, full)
+            self.unwinders.refresh(healthy, full, sampled)
         except Exception:
             # A mode's refresh is per process inside; what escapes is a bug of
             # the mode itself: count it, keep what is installed, try next time.
@@ -425,6 +426,7 @@ class Profiler:
             samples = self.sampler.drain()
             # Newest image first: it is the one /proc shows now (see symbols.images).
             samples.sort(key=lambda s: (s.tgid, s.start_boottime_ns, -s.exec_id))
+            sampled = {sample.tgid for sample in samples}
             stacks = []
             for sample in samples:
                 try:
@@ -450,7 +452,7 @@ class Profiler:
             if resynced or time.monotonic() >= self._next_resync:
                 self.registry.resync()
                 self._next_resync = time.monotonic() + RESYNC_SECONDS
-            self._refresh_modes(full=True)
+            self._refresh_modes(full=True, sampled=sampled)
             self._update_stats(stacks, began, cpu_began)
             heap_began = time.thread_time()
             self.stats.add_cpu("drain", heap_began - cpu_began)

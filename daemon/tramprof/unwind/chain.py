@@ -5,15 +5,16 @@ chain head lives and where its stubs are (``trampolines/ABI.md``). This mode
 reads that descriptor from outside (``unwind.descriptor``) and installs what
 the BPF chain walker (``bpf/chain_walk.h``) needs to walk and validate the
 chain: the TLS offset, the stub stride and every arena page. Arenas are
-added as the process runs, so the descriptor is re-read after every drain
-(cheap: one small read unless its generation changed).
+added as the process runs, so the descriptor of a process sampled in a drain
+is re-read after it, and of one whose chain met an arena not installed at
+the next refresh (cheap: one small read unless its generation changed).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from tramprof.procfs.maps import Mapping
@@ -106,19 +107,26 @@ class ChainMode:
             self._update(pid, mappings)
             self._newcomers.add(pid)
 
-    def refresh(self, live: set[int], full: bool = True) -> None:
-        """After a drain, or with an overhead budget to keep: every runtime's
-        descriptor. Between drains otherwise only those a new arena may have
-        changed (the walker met a stub outside the installed arenas) and
-        those not active yet: reading 80 Python processes' descriptors every
-        second was ~0.15% of a core on a busy node."""
+    def refresh(self, live: set[int], full: bool = True,
+                sampled: Container[int] | None = None) -> None:
+        """With an overhead budget to keep, or after a drain whose samples are
+        not known: every runtime's descriptor. Otherwise only those not active
+        yet, those a new arena may have changed (the walker met a stub outside
+        the installed arenas) and, after a drain, those it had samples of: the
+        walker reports an arena it meets that is not installed, so a process
+        with no samples needs no look. Reading 80 Python processes' descriptors at every refresh was
+        ~0.15% of a core on a busy node. Exited processes are forgotten after
+        a drain."""
         stale = self._maps.take_stale_chains() | self._stale
         self._stale = set()
-        if full or self.duty.budget > 0:
-            looked_at = list(self._candidates)
+        if self.duty.budget > 0 or (full and sampled is None):
+            looked_at = set(self._candidates)
         else:
-            looked_at = [pid for pid in self._candidates & live
-                         if pid in stale or not self.unwinds(pid)]
+            ran = sampled if full and sampled is not None else ()
+            looked_at = {pid for pid in self._candidates & live
+                         if pid in stale or pid in ran or not self.unwinds(pid)}
+            if full:
+                looked_at |= self._candidates - live
         for pid in looked_at:
             if pid not in live:
                 self.forget(pid)

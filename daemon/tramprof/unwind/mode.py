@@ -76,11 +76,14 @@ class UnwindMode(Protocol):
         """A process image was sampled for the first time: take it on if its
         mappings show this mode's stubs (or a runtime that will make them)."""
 
-    def refresh(self, live: set[int], full: bool = True) -> None:
+    def refresh(self, live: set[int], full: bool = True,
+                sampled: Container[int] | None = None) -> None:
         """After a drain (``full``): follow new stubs of the processes in
-        ``live`` and forget every other process. Also about once a second
-        between drains (not ``full``): a mode may then look only at what may
-        have changed since, and forgetting may wait."""
+        ``live`` and forget every other process; ``sampled``, if known, holds
+        the processes the drain had samples of, and a mode whose walker
+        reports what it could not walk may look only at those. Also about
+        once a second between drains (not ``full``): a mode may then look
+        only at what may have changed since, and forgetting may wait."""
 
     def follow(self, live: set[int]) -> None:
         """Between refreshes, on every wake of the loop: look again only at
@@ -153,13 +156,14 @@ class UnwindModes:
         for native in self.native:
             native.note_code(pid, sources)
 
-    def refresh(self, live: set[int], full: bool = True) -> None:
+    def refresh(self, live: set[int], full: bool = True,
+                sampled: Container[int] | None = None) -> None:
         taken: set[int] = set()
         for mode in self.modes:
-            mode.refresh(live - taken, full)
+            mode.refresh(live - taken, full, sampled)
             taken |= mode.unwound() & live
         for native in self.native:
-            native.refresh(live, full)
+            native.refresh(live, full, sampled)
 
     def follow(self, live: set[int]) -> None:
         for mode in (*self.modes, *self.native):

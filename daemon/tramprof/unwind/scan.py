@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 from tramprof.model import SymbolizationError
@@ -168,7 +168,8 @@ class ScanMode:
         self._update(pid)
         self._newcomers.add(pid)
 
-    def refresh(self, live: set[int], full: bool = True) -> None:
+    def refresh(self, live: set[int], full: bool = True,
+                sampled: Container[int] | None = None) -> None:
         # CPython's trampolines give the walker no sign of a new arena: every
         # refresh looks (at processes whose perf map had Python entries).
         now = self._now()

@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol
 
@@ -279,7 +279,8 @@ class TableMode:
         if proc is not None:
             proc.wanted.update(range(len(proc.mappings)))
 
-    def refresh(self, live: set[int], full: bool = True) -> None:
+    def refresh(self, live: set[int], full: bool = True,
+                sampled: Container[int] | None = None) -> None:
         # What is wanted comes from drained stacks (note_code) and finished
         # builds are installed as they finish (follow): between drains there
         # is nothing new to look at.
