@@ -35,6 +35,7 @@ from tramprof.sampler import layout as bpf_layout
 from tramprof.sampler.btf import VMLINUX_BTF, BtfError, KernelBtf
 from tramprof.sampler.chunkmaker import ChunkMaker
 from tramprof.sampler.compiler import CompileError, LoadRequest, compile_and_load
+from tramprof.sampler.cpus import CpuWatch
 from tramprof.sampler.drain import drain_buffer
 from tramprof.sampler.image import ImageError, load_image
 from tramprof.sampler.layout import Counter
@@ -200,6 +201,7 @@ class Sampler:
         self._chunk_maker: ChunkMaker | None = None
         self._loaded_from = ""
         self._cached = False
+        self._cpu_watch = CpuWatch()
 
     @property
     def loaded_from(self) -> str:
@@ -411,6 +413,15 @@ class Sampler:
         if self._stats_fd is None and runs == 0:
             return None  # nobody has the statistics on
         return ns, runs
+
+    def unsampled_cpus(self) -> list[int]:
+        """Online CPUs the sampling events do not sample: they came online
+        after ``start``, or went offline and back since (``sampler.cpus``).
+        A CPU back online is seen at the second asking after it at the
+        latest."""
+        if self._event is None:
+            return []
+        return self._cpu_watch.check(self._bpf.open_perf_events.get(self._event, {}))
 
     def counters(self) -> dict[Counter, int]:
         """Cumulative BPF-side counters, summed over CPUs."""
