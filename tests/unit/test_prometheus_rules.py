@@ -121,7 +121,7 @@ def test_alerts_are_labelled_and_explained() -> None:
     assert {a["alert"] for a in alerts} == {
         "TramprofDown", "TramprofNotReporting", "TramprofNotDraining", "TramprofLosingSamples",
         "TramprofKernelStacksLost", "TramprofProcessEventsLost", "TramprofPythonBudgetRefused",
-        "TramprofSeriesBudgetExhausted", "TramprofNearSampleLimit"}
+        "TramprofSeriesBudgetExhausted", "TramprofNearSampleLimit", "TramprofCpusNotSampled"}
     for alert in alerts:
         assert alert["labels"]["severity"] in ("warning", "info"), alert["alert"]
         assert set(alert["annotations"]) == {"summary", "description"}, alert["alert"]
@@ -147,7 +147,7 @@ def test_rule_files_pass_promtool_check() -> None:
     result = promtool("check", "rules", *map(str, RULE_FILES))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 6 rules found" in result.stdout
-    assert "SUCCESS: 9 rules found" in result.stdout
+    assert "SUCCESS: 10 rules found" in result.stdout
 
 
 @needs_promtool

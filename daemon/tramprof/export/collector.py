@@ -96,6 +96,7 @@ class ProfilerCollector(Collector):
         yield proc_events
 
         yield _single(fam.NEW_PROCESS_EVENTS_LOST, stats.new_process_events_lost)
+        yield _single(fam.CPUS_UNSAMPLED, len(stats.unsampled_cpus))
 
         new_processes = _family(fam.NEW_PROCESSES)
         for result in ("warmed", "exited"):

@@ -68,6 +68,12 @@ NEW_PROCESS_EVENTS_LOST = Family(
     "tramprof_new_process_events_lost", "counter", (),
     "First-sample notifications lost in the perf buffer; those processes are symbolized "
     "at the next drain instead, if they still run.")
+CPUS_UNSAMPLED = Family(
+    "tramprof_cpus_unsampled", "gauge", (),
+    "Online CPUs the daemon does not sample: they came online after it started, or went "
+    "offline and came back since (the kernel ends a CPU's perf events when it goes offline, "
+    "and opening new ones needs CAP_PERFMON, which the running daemon has given up). "
+    "Restart the daemon to sample them; the log names them.")
 NEW_PROCESSES = Family(
     "tramprof_new_processes", "counter", ("result",),
     "Process images sampled for the first time, by result: warmed (their maps read and "
@@ -300,8 +306,8 @@ PYTHON_DUTY_WRITES_FAILED = Family(
 ALL: tuple[Family, ...] = (
     SAMPLES, PERF_EVENTS, LOST_SAMPLES, KERNEL_STACKS_LOST, TRUNCATED_STACKS, UNWIND_FAULTS,
     KERNEL_THREAD_SAMPLES, SYMBOLIZATION_FAILURES, PROCESSES, PROCESS_EVENTS, NEW_PROCESSES,
-    SCHEDULER_SLICE, NEW_PROCESS_EVENTS_LOST, DRAINS, DRAIN_SECONDS, DRAIN_CPU_SECONDS,
-    MAIN_THREAD_CPU_SECONDS,
+    SCHEDULER_SLICE, NEW_PROCESS_EVENTS_LOST, CPUS_UNSAMPLED, DRAINS, DRAIN_SECONDS,
+    DRAIN_CPU_SECONDS, MAIN_THREAD_CPU_SECONDS,
     BPF_RUN_SECONDS, BPF_RUNS, JIT_FILES, JIT_ENTRIES, JIT_FILES_REFUSED,
     JIT_RECORDS_DROPPED, JIT_BYTES_READ, UNWIND_SAMPLES, PYTHON_FRAMES_TRUNCATED,
     CHAIN_INVALID, SCAN_STALE, SCAN_WINDOWS_EXHAUSTED, SCAN_OVERFLOWS, SCAN_REFUSALS,

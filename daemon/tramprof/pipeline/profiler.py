@@ -63,6 +63,11 @@ MODE_REFRESH_SHARE = 0.05
 # exited first sends no process-level exit event) at a stat read per held
 # process, a tenth of a busy node's drain if done at every drain.
 RESYNC_SECONDS = 30.0
+# Which online CPUs are sampled is checked after a drain at most this often
+# (seconds; sampler.cpus): reading each CPU's event count interrupts that
+# CPU (~25 us a CPU here, so ~5 ms on a host of 192). A CPU back online is
+# then reported within two checks.
+CPU_CHECK_SECONDS = 60.0
 # Lifecycle events are read once this often (seconds) between drains, and at
 # every drain: they take effect after the next drain anyway. The kernel keeps
 # thousands meanwhile (procfs.events: a receive buffer of up to 8 MiB), and
@@ -213,6 +218,7 @@ class Profiler:
                                 self.stats.symbolization_failures)
         self._next_mode_refresh = float("-inf")  # monotonic seconds
         self._next_resync = time.monotonic() + RESYNC_SECONDS
+        self._next_cpu_check = float("-inf")  # at the first drain
         self._next_events_read = float("-inf")  # monotonic seconds
 
     def start(self) -> None:
@@ -471,6 +477,7 @@ class Profiler:
         if run_time is not None:
             self.stats.bpf_run_time_ns, self.stats.bpf_run_count = run_time
         self.stats.new_process_events_lost = self.sampler.new_process_events_lost
+        self._check_cpus()
         self.stats.processes = len(self.registry)
         self.stats.unwind_samples = self.unwind_samples(bpf)
         self.stats.unwind_refusals = self.unwinders.errors()
@@ -498,6 +505,26 @@ class Profiler:
             jit.counters, jit.entries, jit.files
         for reason, count in self.registry.symbolization_stats.snapshot().items():
             self.stats.symbolization_failures[reason] = count
+
+    def _check_cpus(self) -> None:
+        """Publish the online CPUs not sampled when due; say so when they
+        change."""
+        if time.monotonic() < self._next_cpu_check:
+            return
+        self._next_cpu_check = time.monotonic() + CPU_CHECK_SECONDS
+        try:
+            cpus = self.sampler.unsampled_cpus()
+        except OSError as exc:  # /proc/stat unreadable: keep the last word
+            log.warning("cannot check which CPUs are sampled: %s", exc)
+            return
+        if cpus != self.stats.unsampled_cpus:
+            if cpus:
+                log.warning("not sampling online CPUs %s: they came online after the "
+                            "start or went offline and back since; restart tramprof to "
+                            "sample them", ",".join(map(str, cpus)))
+            else:
+                log.info("every online CPU is sampled")
+        self.stats.unsampled_cpus = cpus
 
     def _python_duty(self, stacks: list[Stack]) -> dict[str, tuple[float, float]]:
         """Mean duty cycle and estimated overhead per process name."""

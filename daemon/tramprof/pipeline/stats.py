@@ -76,6 +76,8 @@ class ProfilerStats:
     processes: int = 0
     process_events: Counter[str] = field(default_factory=Counter)
     new_process_events_lost: int = 0
+    # Online CPUs with no live sampling event (sampler.cpus): restart to sample them.
+    unsampled_cpus: list[int] = field(default_factory=list)
     # Newly sampled process images by result: "warmed" or "exited" (gone first).
     new_processes: Counter[str] = field(default_factory=Counter)
     # The main loop's scheduler slice as the kernel reports it (0: none).
