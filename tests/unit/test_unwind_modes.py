@@ -202,6 +202,16 @@ def publish(monkeypatch, published: list[Descriptor]) -> list[int]:
     return reads
 
 
+def watch_looks(monkeypatch, published: list[Descriptor]) -> list[int]:
+    """As ``publish``; returns the pids whose descriptor was looked at (its
+    generation read), in order."""
+    publish(monkeypatch, published)
+    looked: list[int] = []
+    monkeypatch.setattr(chain_module, "read_changes", lambda pid, known, root, memory: (
+        looked.append(pid), Changes(published[-1].generation, published[-1].duty))[1])
+    return looked
+
+
 @pytest.fixture
 def runtime_mappings(tmp_path):
     proc = fake_proc(tmp_path, [ARENA], [ARENA], [ARENA])
@@ -276,14 +286,12 @@ def test_chain_mode_reads_the_whole_descriptor_only_when_its_generation_moves(
 
 def test_between_drains_the_chain_mode_reads_only_what_the_walker_reported(
         runtime_mappings, monkeypatch):
-    """After a drain every runtime's descriptor is read; between drains only
-    those whose chain met an arena not installed yet (the walker's report),
-    and every one when an overhead budget is to be kept."""
+    """After a drain (its samples not known) every runtime's descriptor is
+    read; between drains only those whose chain met an arena not installed
+    yet (the walker's report), and every one when an overhead budget is to
+    be kept."""
     published = [descriptor(True, [(ARENA, ARENA + 0x1000)])]
-    publish(monkeypatch, published)
-    looked: list[int] = []
-    monkeypatch.setattr(chain_module, "read_changes", lambda pid, known, root, memory: (
-        looked.append(pid), Changes(published[-1].generation, published[-1].duty))[1])
+    looked = watch_looks(monkeypatch, published)
     maps = RecordingMaps()
     chain = ChainMode(maps, str(runtime_mappings))
     chain.consider(PID, mappings(runtime_mappings))
@@ -313,10 +321,7 @@ def test_after_a_drain_the_chain_mode_reads_the_sampled_the_reported_and_the_sta
     active yet are read; the exited are forgotten. After a resync (samples
     not known) every one is read."""
     published = [descriptor(False, [])]
-    publish(monkeypatch, published)
-    looked: list[int] = []
-    monkeypatch.setattr(chain_module, "read_changes", lambda pid, known, root, memory: (
-        looked.append(pid), Changes(published[-1].generation, published[-1].duty))[1])
+    looked = watch_looks(monkeypatch, published)
     maps = RecordingMaps()
     chain = ChainMode(maps, str(runtime_mappings))
     quiet, sampled, reported, gone, starting = PID, PID + 1, PID + 2, PID + 3, PID + 4
