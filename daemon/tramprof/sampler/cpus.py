@@ -13,7 +13,7 @@ whenever its CPU runs anything (cpu-clock even while it idles); a removed
 one's never again. So a CPU is reported when it has no event, or when
 ``/proc/stat`` shows it busy since the last check while its event counted
 nothing. A CPU idle throughout is not reported: there was nothing to miss.
-Detection thus takes two checks (drains) after the CPU is back.
+Detection thus takes two checks after the CPU is back.
 
 /proc/stat lists exactly the online CPUs, so one read (~60 us) answers
 both which CPUs are online and how busy; /sys/devices/system/cpu/online
@@ -78,7 +78,8 @@ def unsampled(online: list[int], before: Mapping[int, CpuReading],
 
 
 class CpuWatch:
-    """Checks, drain after drain, that every online CPU is sampled."""
+    """Checks, now and then, that every online CPU is sampled; each check
+    compares with the one before."""
 
     def __init__(self, proc_stat: str = "/proc/stat") -> None:
         self._proc_stat = proc_stat
