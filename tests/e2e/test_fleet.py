@@ -438,7 +438,7 @@ def alert_states(central: PrometheusServer) -> dict[str, list[tuple[str, str]]]:
 def check_alert_rules(central: PrometheusServer) -> None:
     groups = central.get("/api/v1/rules")["groups"]
     rules = [r for g in groups for r in g["rules"]]
-    assert len(rules) == 15
+    assert len(rules) == 16  # 6 recording rules, 10 alerts
     for rule in rules:
         assert rule["health"] == "ok", rule
         assert rule["lastEvaluation"] != "0001-01-01T00:00:00Z", rule
