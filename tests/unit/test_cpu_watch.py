@@ -55,13 +55,13 @@ def test_proc_stat_lists_the_online_cpus_and_their_busy_time_grows() -> None:
     ({0: CpuReading(10, 5)}, {0: CpuReading(11, 9), 2: CpuReading(None, 1)}, [2]),
 ])
 def test_unsampled_cpus(before, now, expected) -> None:
-    assert unsampled(sorted(now), before, now) == expected
+    assert unsampled(before, now) == expected
 
 
 def test_an_offline_cpu_is_not_reported() -> None:
     before = {0: CpuReading(10, 5), 1: CpuReading(20, 5)}
     now = {0: CpuReading(11, 9)}
-    assert unsampled([0], before, now) == []
+    assert unsampled(before, now) == []
 
 
 def test_the_watch_reads_each_event_count_and_remembers_the_last(tmp_path) -> None:

@@ -61,18 +61,15 @@ def busy_ticks(proc_stat: str) -> dict[int, int]:
     return busy
 
 
-def unsampled(online: list[int], before: Mapping[int, CpuReading],
-              now: Mapping[int, CpuReading]) -> list[int]:
-    """Online CPUs with no sampling event, or busy since ``before`` while
-    their event counted nothing."""
+def unsampled(before: Mapping[int, CpuReading], now: Mapping[int, CpuReading]) -> list[int]:
+    """The CPUs of ``now`` (the online ones) with no sampling event, or busy
+    since ``before`` while their event counted nothing."""
     missed = []
-    for cpu in online:
-        reading, last = now.get(cpu), before.get(cpu)
-        no_event = reading is None or reading.event_count is None
-        stopped = (reading is not None and last is not None
-                   and last.event_count == reading.event_count
+    for cpu, reading in sorted(now.items()):
+        last = before.get(cpu)
+        stopped = (last is not None and last.event_count == reading.event_count
                    and reading.busy_ticks > last.busy_ticks)
-        if no_event or stopped:
+        if reading.event_count is None or stopped:
             missed.append(cpu)
     return missed
 
@@ -90,9 +87,8 @@ class CpuWatch:
         descriptor."""
         with open(self._proc_stat, "rb") as f:
             busy = busy_ticks(f.read(MAX_PROC_STAT).decode("ascii", "replace"))
-        online = sorted(busy)
         now: dict[int, CpuReading] = {}
-        for cpu in online:
+        for cpu in busy:
             count = None
             fd = events.get(cpu)
             if fd is not None:
@@ -102,4 +98,4 @@ class CpuWatch:
                     log.debug("cannot read the sampling event of CPU %d: %s", cpu, exc)
             now[cpu] = CpuReading(count, busy[cpu])
         before, self._last = self._last, now
-        return unsampled(online, before, now)
+        return unsampled(before, now)

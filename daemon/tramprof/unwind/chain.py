@@ -114,9 +114,9 @@ class ChainMode:
         yet, those a new arena may have changed (the walker met a stub outside
         the installed arenas) and, after a drain, those it had samples of: the
         walker reports an arena it meets that is not installed, so a process
-        with no samples needs no look. Reading 80 Python processes' descriptors at every refresh was
-        ~0.15% of a core on a busy node. Exited processes are forgotten after
-        a drain."""
+        with no samples needs no look. Reading 80 Python processes'
+        descriptors at every refresh was ~0.15% of a core on a busy node.
+        Exited processes are forgotten after a drain."""
         stale = self._maps.take_stale_chains() | self._stale
         self._stale = set()
         if self.duty.budget > 0 or (full and sampled is None):
