@@ -5,9 +5,7 @@ target recorded by ``tramprof record`` and by ``perf record`` on this host."""
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -52,19 +50,19 @@ def _tramprof_record(pid: int, seconds: float) -> dict[tuple[str, ...], int]:
 
 def _perf_record(pid: int, seconds: float, out: Path) -> list[list[str]]:
     """Stacks perf recorded (frame-pointer call graphs), root first."""
-    # Stopped with SIGINT, as at a terminal: perf writes a complete file, then
-    # ends by that signal.
-    perf = subprocess.Popen(["perf", "record", "-q", "-g", "-F", "499", "-p", str(pid),
-                             "-o", str(out)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    time.sleep(seconds)
-    perf.send_signal(signal.SIGINT)
-    _, err = perf.communicate(timeout=60)
-    assert perf.returncode in (0, -signal.SIGINT), err
+    # perf starts the sleep only once its events are open, and writes a
+    # complete file when the sleep ends. A timer started beside perf instead
+    # can fire while perf is still starting (cold caches on a fresh machine),
+    # and the signal then ends perf before it wrote anything.
+    record = subprocess.run(["perf", "record", "-q", "-g", "-F", "499", "-p", str(pid),
+                             "-o", str(out), "--", "sleep", str(seconds)],
+                            capture_output=True, text=True, timeout=120)
+    assert record.returncode == 0, record.stderr
     script = subprocess.run(["perf", "script", "-i", str(out), "-F", "ip,sym"],
-                            capture_output=True, text=True, timeout=120, check=True).stdout
+                            capture_output=True, text=True, timeout=120)
+    assert script.returncode == 0, script.stderr
     stacks = []
-    for block in script.split("\n\n"):
+    for block in script.stdout.split("\n\n"):
         frames = [line.split(None, 1)[1] for line in block.strip().splitlines()
                   if len(line.split(None, 1)) == 2]
         if frames:

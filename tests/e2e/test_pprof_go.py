@@ -29,7 +29,8 @@ pytestmark = [requires_root,
               pytest.mark.skipif(GO is None, reason="go is not installed (Debian: golang-go)")]
 
 SECONDS = 3
-# go tool pprof gives up after 1.5 x seconds: the answer must come within that.
+# go tool pprof gives up on the fetch after 1.5 x seconds (and then fails):
+# a report at all means the answer came within that.
 PPROF_TIMEOUT = 1.5 * SECONDS
 # Samples that may sit outside the expected chain: timer interrupts in the
 # middle of the entry code, the first instructions of a function.
@@ -173,7 +174,10 @@ def test_native_chain_through_go_tool_pprof(daemon, targets, start_target,  # no
     began = time.monotonic()
     report = pprof("-traces", record_url(d.port))
     took = time.monotonic() - began
-    assert SECONDS <= took < PPROF_TIMEOUT
+    # The fetch itself is bounded by pprof's own timeout; the wall time also
+    # holds go's start and the symbolization after the fetch (0.3 s over the
+    # timeout on a loaded machine), so it is held only far below the interval.
+    assert SECONDS <= took < PPROF_TIMEOUT + 5
     assert SECONDS <= duration(report) < SECONDS + 0.5
     assert report.header["File"] == "chain"
     with open(targets / "chain", "rb") as f:
