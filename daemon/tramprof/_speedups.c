@@ -791,23 +791,21 @@ done:
 }
 
 /*
- * ring_head(ring) -> int, ring_tail(ring, tail)
+ * ring_head(ring, offset) -> int, ring_tail(ring, offset, tail)
  *
  * A perf ring's data_head, read with acquire order (no record after it is
  * read before it), and its data_tail, stored with release order (every
  * record before it is read first): include/uapi/linux/perf_event.h asks a
  * reader for these barriers (tramprof.sampler.perfring). ``ring`` is the
- * writable mapping of the ring, its control page first. Unlike the passes
- * above, they raise (ValueError) for anything else: the Python they stand
- * for is the same access without the barriers.
+ * writable mapping of the ring, its control page first; ``offset`` is where
+ * the control page keeps the word (perfring's DATA_HEAD, DATA_TAIL). Unlike
+ * the passes above, they raise (ValueError) for anything else: the Python
+ * they stand for is the same access without the barriers.
  */
-#define RING_DATA_HEAD 1024
-#define RING_DATA_TAIL 1032
-
 static uint64_t *
 ring_word(Py_buffer *view, Py_ssize_t offset)
 {
-    if (view->len < offset + 8 || ((uintptr_t)view->buf + offset) % 8) {
+    if (offset < 0 || view->len < offset + 8 || ((uintptr_t)view->buf + offset) % 8) {
         PyErr_SetString(PyExc_ValueError, "not a perf ring's mapping");
         return NULL;
     }
@@ -815,12 +813,13 @@ ring_word(Py_buffer *view, Py_ssize_t offset)
 }
 
 static PyObject *
-ring_head(PyObject *self, PyObject *ring)
+ring_head(PyObject *self, PyObject *args)
 {
     Py_buffer view;
-    if (PyObject_GetBuffer(ring, &view, PyBUF_WRITABLE) < 0)
+    Py_ssize_t offset;
+    if (!PyArg_ParseTuple(args, "w*n:ring_head", &view, &offset))
         return NULL;
-    uint64_t *word = ring_word(&view, RING_DATA_HEAD);
+    uint64_t *word = ring_word(&view, offset);
     PyObject *head = word == NULL ? NULL
         : PyLong_FromUnsignedLongLong(__atomic_load_n(word, __ATOMIC_ACQUIRE));
     PyBuffer_Release(&view);
@@ -831,10 +830,11 @@ static PyObject *
 ring_tail(PyObject *self, PyObject *args)
 {
     Py_buffer view;
+    Py_ssize_t offset;
     unsigned long long tail;
-    if (!PyArg_ParseTuple(args, "w*K:ring_tail", &view, &tail))
+    if (!PyArg_ParseTuple(args, "w*nK:ring_tail", &view, &offset, &tail))
         return NULL;
-    uint64_t *word = ring_word(&view, RING_DATA_TAIL);
+    uint64_t *word = ring_word(&view, offset);
     if (word != NULL)
         __atomic_store_n(word, (uint64_t)tail, __ATOMIC_RELEASE);
     PyBuffer_Release(&view);
@@ -861,7 +861,7 @@ static PyMethodDef methods[] = {
      "The start addresses of the mappings of a stack's places (None: not all places)."},
     {"parse_maps", parse_maps, METH_VARARGS,
      "The lines of a maps text as mappings, in file order (None: not all kernel lines)."},
-    {"ring_head", ring_head, METH_O,
+    {"ring_head", ring_head, METH_VARARGS,
      "A perf ring's data_head, read with acquire order."},
     {"ring_tail", ring_tail, METH_VARARGS,
      "Stores a perf ring's data_tail with release order."},

@@ -5,16 +5,19 @@ put there), and no reference kept past a call."""
 
 from __future__ import annotations
 
+import mmap
+import struct
 from collections import Counter
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tramprof import speedups
 from tramprof.model import NATIVE_GAP, FrameSource, MappedFile, RawSample
 from tramprof.pipeline import frames
 from tramprof.pipeline.naming import CountingNamer
-from tramprof.sampler import layout
+from tramprof.sampler import layout, perfring
 from tramprof.symbols.images import ProcessImage
 from tramprof.unwind import merge, tables
 from tramprof.unwind.arenas import Arenas
@@ -358,3 +361,24 @@ def test_the_mapping_starts_leave_odd_places_to_python() -> None:
         assert "mapping" in str(err)
     else:
         raise AssertionError("an odd place was taken")
+
+
+@needs_speedups
+def test_the_ring_words_are_where_perfring_says() -> None:
+    """The ordered accesses read and store the control page's words at the
+    offsets the reader passes (perfring defines them once), and refuse a
+    place outside the mapping or not 8-byte aligned."""
+    page = mmap.mmap(-1, mmap.PAGESIZE * 2)
+    struct.pack_into("=Q", page, perfring.DATA_HEAD, 0x1234_5678_9ABC)
+    assert _speedups.ring_head(page, perfring.DATA_HEAD) == 0x1234_5678_9ABC
+    _speedups.ring_tail(page, perfring.DATA_TAIL, 4096)
+    assert struct.unpack_from("=Q", page, perfring.DATA_TAIL)[0] == 4096
+    assert struct.unpack_from("=Q", page, perfring.DATA_HEAD)[0] == 0x1234_5678_9ABC
+    for offset in (-8, perfring.DATA_HEAD + 1, mmap.PAGESIZE * 2 - 4):
+        with pytest.raises(ValueError, match="not a perf ring"):
+            _speedups.ring_head(page, offset)
+        with pytest.raises(ValueError, match="not a perf ring"):
+            _speedups.ring_tail(page, offset, 0)
+    with pytest.raises(TypeError):
+        _speedups.ring_head(bytes(mmap.PAGESIZE * 2), perfring.DATA_HEAD)  # not writable
+    page.close()

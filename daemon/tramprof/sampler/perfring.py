@@ -48,7 +48,8 @@ _PERF_FLAG_FD_CLOEXEC: Final = 1 << 3
 # config, sample_period, sample_type, read_format, the flag bits,
 # wakeup_events, bp_type, config1.
 _ATTR: Final = struct.Struct("=IIQQQQQIIQ")
-# Where the control page keeps data_head and data_tail.
+# Where the control page (struct perf_event_mmap_page) keeps data_head and
+# data_tail; the compiled accesses take them from here.
 DATA_HEAD: Final = 1024
 DATA_TAIL: Final = 1032
 _U64: Final = struct.Struct("=Q")
@@ -106,7 +107,7 @@ class PerfRing:
         """The samples' bytes written since the last read, oldest first,
         and how many records the kernel counted as lost meanwhile."""
         compiled = speedups.compiled
-        head = compiled.ring_head(self._map) if compiled is not None \
+        head = compiled.ring_head(self._map, DATA_HEAD) if compiled is not None \
             else _U64.unpack_from(self._view, DATA_HEAD)[0]
         tail = self._tail
         if head == tail:
@@ -133,7 +134,7 @@ class PerfRing:
             tail += length
         self._tail = tail
         if compiled is not None:
-            compiled.ring_tail(self._map, tail)
+            compiled.ring_tail(self._map, DATA_TAIL, tail)
         else:
             _U64.pack_into(self._view, DATA_TAIL, tail)
         return samples, lost
