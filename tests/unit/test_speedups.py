@@ -1,7 +1,8 @@
 """The compiled passes of naming a stack (tramprof._speedups) against the
 Python code they stand for: the same lookup addresses and the same cached
 answers for random stacks, odd ones included (values a lying process could
-put there), and no reference kept past a call."""
+put there), and no reference kept past a call; and the perf ring's ordered
+accesses, at the places perfring gives them."""
 
 from __future__ import annotations
 
