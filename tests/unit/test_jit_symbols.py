@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from tramprof.procfs.maps import Mapping
+from tramprof.symbols.horizon import SampleHorizon
 from tramprof.symbols.jit import MTIME_SLACK_NS, JitLimits, JitSymbols, boot_time_realtime_ns
 
 ANON = Mapping(0x7000, 0x9000, "r-xp", 0, 0, 0, 0, "")
@@ -87,6 +88,31 @@ def test_miss_rereads_at_most_once_per_interval(tmp_path):
     clock.now += 1.5
     assert jit.resolve(ANON, 0x8000) == "created_later"
     assert (jit.lookups, jit.resolved) == (3, 2)
+
+
+def test_miss_rereads_files_read_before_the_samples_were_taken(tmp_path):
+    """A runtime switched on a moment after a read writes entries for the
+    functions called since: a sample of one, named within the interval, is
+    named from one re-read, and a read from after the samples waits for the
+    interval again."""
+    tmp = fake_process(tmp_path, 12, [12])
+    path = tmp / "perf-12.map"
+    path.write_text("7000 10 first\n")
+    clock, horizon = Clock(), SampleHorizon()
+    jit = JitSymbols(12, proc_root=str(tmp_path), clock=clock, horizon=horizon,
+                     limits=JitLimits(refresh_interval=1.0))
+    assert jit.resolve(ANON, 0x7000) == "first"
+    with path.open("a") as f:
+        f.write("8000 10 called_since\n")
+    clock.now += 0.2
+    horizon.taken_by = clock.now  # a sample ran it, then was drained
+    clock.now += 0.1
+    assert jit.resolve(ANON, 0x8000) == "called_since"
+    with path.open("a") as f:
+        f.write("9000 10 called_after_the_samples\n")
+    assert jit.resolve(ANON, 0x9000) is None
+    clock.now += 1.0
+    assert jit.resolve(ANON, 0x9000) == "called_after_the_samples"
 
 
 def refused_stale_map(proc: Path, pid: int, text: str) -> tuple[Path, JitSymbols, Clock]:

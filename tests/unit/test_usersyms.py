@@ -28,6 +28,7 @@ from tramprof.sampler import layout
 from tramprof.symbols import elf as elf_module
 from tramprof.symbols import usersyms as usersyms_module
 from tramprof.symbols.elf import ElfCache, ElfSymbols
+from tramprof.symbols.horizon import SampleHorizon
 from tramprof.symbols.images import ProcessImage
 from tramprof.symbols.safeopen import open_mapping, open_process_mapping
 from tramprof.symbols.usersyms import ProcessSymbolizer, SymbolizationStats, read_kernel_vdso
@@ -630,6 +631,30 @@ def test_anonymous_exec_memory_and_maps_refresh() -> None:
         assert plain.stats["anon_unresolved"] == 1
     finally:
         del seen[:]
+        region.close()
+
+
+def test_maps_read_before_the_samples_were_taken_are_read_again_at_a_miss() -> None:
+    """Memory mapped after the maps were read, where a sample then ran, is
+    found: a read from before the samples answers a miss with one re-read,
+    whatever the interval, and a read from after them waits for it."""
+    horizon = SampleHorizon()
+    sym = ProcessSymbolizer(os.getpid(), ElfCache(), SymbolizationStats(),
+                            anon_resolver=lambda _m, _a: "jit:made_since",
+                            maps_refresh_interval=3600.0, horizon=horizon)
+    assert sym.mappings  # read before the region exists
+    region = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    try:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(region)) + 16
+        horizon.taken_by = time.monotonic()  # a sample ran there; it was drained
+        generation = sym.maps_generation
+        assert sym.resolve(addr) == "jit:made_since"
+        assert sym.maps_generation == generation + 1
+        # Read since the samples were taken: a miss waits for the interval.
+        never_mapped = 8
+        assert sym.resolve(never_mapped) == "[unknown]"
+        assert sym.maps_generation == generation + 1
+    finally:
         region.close()
 
 

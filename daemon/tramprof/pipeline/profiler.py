@@ -430,6 +430,9 @@ class Profiler:
         # drain made is never walked by the collector (pipeline.heap).
         with gc_paused():
             samples = self.sampler.drain()
+            # Every sample in hand was taken by now: maps and JIT files read
+            # before may not name them yet (symbols.horizon).
+            self.registry.horizon.taken_by = time.monotonic()
             # Newest image first: it is the one /proc shows now (see symbols.images).
             samples.sort(key=lambda s: (s.tgid, s.start_boottime_ns, -s.exec_id))
             sampled = {sample.tgid for sample in samples}

@@ -31,6 +31,7 @@ from tramprof.procfs.table import ProcessTable
 from tramprof.symbols.debuginfo import DebugInfo, DebugTable
 from tramprof.symbols.demangle import Demangler
 from tramprof.symbols.elf import ElfCache
+from tramprof.symbols.horizon import SampleHorizon
 from tramprof.symbols.jit import GAUGES, JitLimits, JitSymbols
 from tramprof.symbols.usersyms import (
     ANON,
@@ -463,6 +464,9 @@ class ProcessRegistry:
         self.debug_info = debug_info or DebugInfo()
         self.demangler = Demangler(on_failure=self.symbolization_stats.incr)
         self.jit_limits = jit_limits or JitLimits()
+        #: When the samples being named were taken: set by whoever names
+        #: them, read by every process's maps and JIT file readers.
+        self.horizon = SampleHorizon()
         self._table: ProcessTable[ProcessState] = ProcessTable(proc_root,
                                                                on_drop=self._retire)
         self._pending: list[ProcessEvent] = []
@@ -540,12 +544,13 @@ class ProcessRegistry:
         # Reads nothing yet: the files are looked for at the first lookup
         # of JIT code (most processes have none).
         jit = JitSymbols(pid, start_boottime_ns, proc_root=self.proc_root,
-                         limits=self.jit_limits)
+                         limits=self.jit_limits, horizon=self.horizon)
         try:
             symbolizer: ProcessSymbolizer | None = ProcessSymbolizer(
                 pid, self.elf_cache, self.symbolization_stats, proc_root=self.proc_root,
                 anon_resolver=jit.resolve, debug_info=self.debug_info,
-                demangler=self.demangler, kernel_vdso=self.kernel_vdso)
+                demangler=self.demangler, kernel_vdso=self.kernel_vdso,
+                horizon=self.horizon)
         except SymbolizationError as exc:
             self.failures["process_gone"] += 1
             log.debug("no symbolizer for pid %d: %s", pid, exc)

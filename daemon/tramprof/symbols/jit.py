@@ -8,8 +8,9 @@ innermost NStgid). A containerised process never falls back to the host's
 (or root), and only content written after the process started counts: a
 file left by an earlier process with the same pid names nothing.
 
-A lookup that misses re-reads the files (at most once per
-``refresh_interval``), so code created after the first read resolves.
+A lookup that misses re-reads the files when they were last read before the
+samples being named were taken, else at most once per ``refresh_interval``
+(symbols.horizon), so code created after the first read resolves.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tramprof.model import SymbolizationError
 from tramprof.procfs.identity import read_status_ids
 from tramprof.procfs.maps import Mapping
 from tramprof.symbols.addrindex import MAX_CHANGES
+from tramprof.symbols.horizon import SampleHorizon
 from tramprof.symbols.jitdump import JitDump
 from tramprof.symbols.perfmap import PerfMap
 from tramprof.symbols.tailreader import RefreshResult
@@ -73,9 +75,11 @@ class JitSymbols:
 
     def __init__(self, pid: int, start_boottime_ns: int | None = None, *,
                  proc_root: str = "/proc", limits: JitLimits | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 horizon: SampleHorizon | None = None) -> None:
         self.pid = pid
         self.limits = limits or JitLimits()
+        self._horizon = horizon or SampleHorizon()
         self._clock = clock
         self._proc_root = proc_root
         self._not_before: int | None = None
@@ -261,8 +265,8 @@ class JitSymbols:
                 log.debug("no perf map / jitdump lookup for pid %d: %s", self.pid, exc)
                 return None
         name = self._lookup(addr)
-        if name is None and self._last_refresh is not None and \
-                self._clock() - self._last_refresh >= self.limits.refresh_interval:
+        if name is None and self._last_refresh is not None and self._horizon.may_read_again(
+                self._last_refresh, self._clock(), self.limits.refresh_interval):
             self.refresh()
             name = self._lookup(addr)
         if name is not None:

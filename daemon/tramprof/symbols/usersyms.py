@@ -30,6 +30,7 @@ from tramprof.symbols.debuginfo import DebugInfo, DebugTable
 from tramprof.symbols.demangle import MANGLED_PREFIXES, Demangler
 from tramprof.symbols.elf import ElfCache, ElfSymbols
 from tramprof.symbols.errors import ElfError
+from tramprof.symbols.horizon import SampleHorizon
 from tramprof.symbols.safeopen import Refusal, open_mapping, stat_mapped_object
 
 AnonResolver = Callable[[Mapping, int], str | None]
@@ -147,8 +148,10 @@ class ProcessSymbolizer:
     """Resolves user-space addresses of one process.
 
     The maps are read on first use and cached; an address in no known
-    mapping triggers a re-read (at most once per ``maps_refresh_interval``
-    seconds) so libraries dlopen()ed and JIT regions created later are found.
+    mapping triggers a re-read (when they were read before the samples being
+    named were taken, else at most once per ``maps_refresh_interval``
+    seconds: symbols.horizon) so libraries dlopen()ed and JIT regions
+    created later are found.
     Parsed ELF objects live in the shared ``ElfCache`` and debug files in the
     shared ``DebugInfo``; this object only remembers which mapping uses which.
     Create a new symbolizer when the pid exec()s, since the old mappings then
@@ -167,8 +170,10 @@ class ProcessSymbolizer:
         debug_info: DebugInfo | None = None,
         demangler: Demangler | None = None,
         kernel_vdso: KernelVdso | None = None,
+        horizon: SampleHorizon | None = None,
     ) -> None:
         self.pid = pid
+        self._horizon = horizon or SampleHorizon()
         self._kernel_vdso = kernel_vdso
         self.stats = stats if stats is not None else SymbolizationStats()
         self._cache = elf_cache
@@ -334,7 +339,8 @@ class ProcessSymbolizer:
     def _may_refresh(self) -> bool:
         if self._maps_error is FailureReason.PROCESS_GONE or self._maps_loaded_at is None:
             return False
-        return time.monotonic() - self._maps_loaded_at >= self._refresh_interval
+        return self._horizon.may_read_again(self._maps_loaded_at, time.monotonic(),
+                                            self._refresh_interval)
 
     # -- resolution -------------------------------------------------------
 
