@@ -169,6 +169,8 @@ BPF_PERCPU_ARRAY(scratch, struct tp_user_stack, 1);
 BPF_HASH(counts, struct tp_count_key, __u64, TP_MAX_KEYS);
 BPF_F_TABLE("hash", struct tp_ustack_key, struct tp_user_stack, ustacks, TP_MAX_USTACKS,
             BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct tp_ustack_key, struct tp_native_stack, native_ustacks,
+            TP_MAX_USTACKS, BPF_F_NO_PREALLOC);
 BPF_HASH(chain_procs, __u32, struct tp_chain_proc, TP_MAX_CHAIN_PROCS);
 BPF_HASH(scan_procs, __u32, struct tp_scan_proc, TP_MAX_CHAIN_PROCS);
 BPF_PERCPU_ARRAY(scan_scratch, struct tp_scan_scratch, 1);
@@ -398,7 +400,8 @@ static __always_inline void announce_process(struct bpf_perf_event_data *ctx,
 }
 
 /* The end of every sample with a user stack: its flags counted, then its
- * count. A key new to this buffer stores the stack (deduplicated by hash,
+ * count. A key new to this buffer stores the stack (in ustacks, or in
+ * native_ustacks when it has no trampoline frames; deduplicated by hash,
  * checked against a stored stack with that hash), announces the process image
  * if that is new too, and is added. A key already counted in this buffer
  * needs none of that, so the common case is one lookup: the key holds the
@@ -413,8 +416,12 @@ static __always_inline int finish_sample(struct bpf_perf_event_data *ctx,
 {
     st->check = check;
     hash |= 1; /* never 0: 0 means "no user stack" */
-    if (st->nr_tramp)
+    if (st->nr_tramp) {
+        hash |= (__u64)TP_USTACK_HASH_TRAMP;
         bump(mode);
+    } else {
+        hash &= ~(__u64)TP_USTACK_HASH_TRAMP;
+    }
     if (st->flags & TP_SCAN_TRUNCATED)
         bump(TP_CNT_SCAN_TRUNCATED);
     if (st->flags & TP_CHAIN_TRUNCATED)
@@ -432,14 +439,18 @@ static __always_inline int finish_sample(struct bpf_perf_event_data *ctx,
     if (count_again(key))
         return 0;
     struct tp_ustack_key skey = {.hash = hash, .buffer = key->buffer};
-    struct tp_user_stack *stored = ustacks.lookup(&skey);
+    /* Only the header of a stored stack is read here, and a native one has
+     * the same header. */
+    struct tp_user_stack *stored = st->nr_tramp
+        ? ustacks.lookup(&skey) : (struct tp_user_stack *)native_ustacks.lookup(&skey);
     if (stored) {
         if (stored->check != st->check || stored->nr != st->nr ||
             stored->nr_tramp != st->nr_tramp) {
             bump(TP_CNT_LOST_USTACK_COLLISION);
             return 0;
         }
-    } else if (ustacks.update(&skey, st) != 0) {
+    } else if ((st->nr_tramp ? ustacks.update(&skey, st)
+                : native_ustacks.update(&skey, (struct tp_native_stack *)st)) != 0) {
         bump(TP_CNT_LOST_USTACKS_FULL);
         return 0;
     }

@@ -64,8 +64,9 @@ class Config:
     # counted in tramprof_lost_samples_total{reason="counts_map_full"}: raise this
     # if that grows.
     max_keys: int = 16384
-    # Distinct user stacks in one interval, 64..4194304; samples past it are
-    # counted in tramprof_lost_samples_total{reason="user_stacks_map_full"}.
+    # Distinct user stacks in one interval, 64..4194304, of each kind (with
+    # trampoline frames, and without: two maps); samples past it are counted
+    # in tramprof_lost_samples_total{reason="user_stacks_map_full"}.
     max_user_stacks: int = 16384
     # Kernel stack map entries, 64..4194304. A full or colliding bucket loses the
     # sample's kernel stack ([kernel stack lost]; counted in

@@ -17,6 +17,7 @@ STRUCTS = {
     "tp_config": bpf_layout.Config,
     "tp_frame": bpf_layout.Frame,
     "tp_user_stack": bpf_layout.UserStack,
+    "tp_native_stack": bpf_layout.NativeStack,
     "tp_sample_key": bpf_layout.SampleKey,
     "tp_process_seen": bpf_layout.ProcessSeen,
     "tp_chain_proc": bpf_layout.ChainProc,
@@ -34,7 +35,7 @@ CONSTANTS = {
     "TP_CHAIN_TRUNCATED": "CHAIN_TRUNCATED", "TP_CHAIN_INVALID": "CHAIN_INVALID",
     "TP_SCAN_TRUNCATED": "SCAN_TRUNCATED", "TP_SCAN_OVERFLOW": "SCAN_OVERFLOW",
     "TP_TABLE_STOP": "TABLE_STOP", "TP_USTACK_ROOT": "USTACK_ROOT",
-    "TP_PYTHON_PAUSED": "PYTHON_PAUSED",
+    "TP_PYTHON_PAUSED": "PYTHON_PAUSED", "TP_USTACK_HASH_TRAMP": "USTACK_HASH_TRAMP",
     "TP_CFA_KIND_BITS": "CFA_KIND_BITS", "TP_CFA_KIND_MASK": "CFA_KIND_MASK",
     "TP_CFA_RSP": "CFA_RSP", "TP_CFA_RBP": "CFA_RBP", "TP_CFA_PLT": "CFA_PLT",
     "TP_CFA_SIGNAL": "CFA_SIGNAL", "TP_CFA_END": "CFA_END", "TP_CFA_NONE": "CFA_NONE",
@@ -107,3 +108,16 @@ def test_a_user_stack_is_decoded_from_its_bytes_as_its_fields_say():
     ips, sps, tramp, _flags, _check = decode_user_stack(memoryview(bytes(stack)))
     assert (len(ips), len(sps), len(tramp)) == (bpf_layout.MAX_FRAMES, bpf_layout.MAX_FRAMES,
                                                 bpf_layout.MAX_TRAMP)
+
+
+def test_a_native_stack_is_a_user_stack_cut_before_its_trampoline_frames():
+    """The program stores a stack without trampoline frames from the same
+    scratch copy, by its first bytes: they must decode as the whole would."""
+    assert ctypes.sizeof(bpf_layout.NativeStack) == bpf_layout.UserStack.tramp.offset
+    stack = bpf_layout.UserStack(nr=2, flags=bpf_layout.USTACK_TRUNCATED, check=0xbeef)
+    stack.frames[0] = bpf_layout.Frame(0x1000, 0x7000)
+    stack.frames[1] = bpf_layout.Frame(0x1001, 0x7008)
+    whole = bytes(stack)
+    native = whole[:ctypes.sizeof(bpf_layout.NativeStack)]
+    assert decode_user_stack(memoryview(native)) == decode_user_stack(memoryview(whole)) == (
+        (0x1000, 0x1001), (0x7000, 0x7008), (), bpf_layout.USTACK_TRUNCATED, 0xbeef)

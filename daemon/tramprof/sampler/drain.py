@@ -3,7 +3,8 @@
 Only unique (process, thread, kernel stack, user stack) keys cross to user
 space, with their counts, read and deleted in batches (a system call per
 thousand keys); user stacks are shared by many keys, so each is read once
-per drain, in batches too (a system call per ``USTACK_CHUNK`` stacks).
+per drain, in batches too (a system call per ``USTACK_CHUNK`` stacks), from
+two maps: stacks with trampoline frames, and the smaller ones without.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from tramprof.sampler import layout
 # tp_sample_key.kstack_id of a sample without a kernel part.
 NO_KSTACK = -1
 
-# User stacks read per system call: ~6 KiB each, so a chunk is ~400 KiB.
+# User stacks read per system call: ~6 KiB each (2 KiB without trampoline
+# frames), so a chunk is at most ~400 KiB.
 USTACK_CHUNK = 64
 
 # (native ips, their stack addresses, trampoline frames, flags, (hash, check))
@@ -35,6 +37,8 @@ def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
     counts = bpf.get_table(b"counts", keytype=layout.CountKey, leaftype=ctypes.c_uint64)
     ustacks = bpf.get_table(b"ustacks", keytype=layout.UserStackKey,
                             leaftype=layout.UserStack)
+    native_ustacks = bpf.get_table(b"native_ustacks", keytype=layout.UserStackKey,
+                                   leaftype=layout.NativeStack)
     kstacks = bpf[f"kstacks{buffer}".encode()]
 
     entries = []
@@ -42,7 +46,10 @@ def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
         fields = _COUNT_KEY.unpack(raw)
         if fields[_BUFFER] == buffer:
             entries.append((raw, fields, int.from_bytes(value, "little")))
+    # Disjoint by hash (layout.USTACK_HASH_TRAMP): one dict names both.
     user_stacks, user_keys = _read_user_stacks(ustacks, buffer)
+    native_stacks, native_keys = _read_user_stacks(native_ustacks, buffer)
+    user_stacks.update(native_stacks)
     kernel_cache: dict[int, tuple[int, ...]] = {}
     comms: dict[bytes, str] = {}
     samples = []
@@ -75,6 +82,7 @@ def drain_buffer(bpf: Any, buffer: int) -> list[RawSample]:
     # Every stored stack of this buffer, also one no count refers to (its
     # count did not fit), deleted in one call.
     ustacks.delete_raw(user_keys)
+    native_ustacks.delete_raw(native_keys)
     for stack_id in kernel_cache:
         with contextlib.suppress(KeyError):
             del kstacks[kstacks.Key(stack_id)]
@@ -133,7 +141,8 @@ def decode_user_stack_key(raw: bytes) -> tuple[int, int]:
 def decode_user_stack(raw: memoryview) -> tuple[tuple[int, ...], tuple[int, ...],
                                                  tuple[tuple[int, int], ...], int, int]:
     """One ``UserStack`` value's native ips and their stack addresses,
-    trampoline frames, flags and check hash, from its bytes."""
+    trampoline frames, flags and check hash, from its bytes (or one
+    ``NativeStack`` value's: it has no trampoline frames)."""
     nr, flags, check, nr_tramp = _USTACK_HEAD.unpack_from(raw)
     ips, sps = _columns(raw, _FRAMES_AT, min(nr, layout.MAX_FRAMES))
     return (ips, sps, _pairs(raw, _TRAMP_AT, min(nr_tramp, layout.MAX_TRAMP)), flags, check)

@@ -25,6 +25,9 @@ SCAN_OVERFLOW = 0x40
 TABLE_STOP = 0x80
 USTACK_ROOT = 0x100
 PYTHON_PAUSED = 0x200
+# The stored-stack hash bit of stacks with trampoline frames (``ustacks``;
+# clear: ``native_ustacks``).
+USTACK_HASH_TRAMP = 0x2
 
 CFA_KIND_BITS = 3
 CFA_KIND_MASK = 7
@@ -91,6 +94,13 @@ class UserStack(ctypes.Structure):
     ]
 
 
+class NativeStack(ctypes.Structure):
+    """A stored stack without trampoline frames (value of ``native_ustacks``):
+    ``UserStack`` up to ``tramp``."""
+
+    _fields_ = UserStack._fields_[:-1]
+
+
 class ChainProc(ctypes.Structure):
     """A process running the trampoline runtime (value of ``chain_procs``)."""
 
@@ -149,7 +159,7 @@ class CountKey(ctypes.Structure):
 
 
 class UserStackKey(ctypes.Structure):
-    """Key of the ``ustacks`` map (defined in profile.bpf.c)."""
+    """Key of the ``ustacks`` and ``native_ustacks`` maps (defined in profile.bpf.c)."""
 
     _fields_ = [("hash", ctypes.c_uint64), ("buffer", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
 
