@@ -412,6 +412,22 @@ def next_drain(daemon: LoggedDaemon, timeout: float = 60) -> bool:
     return True
 
 
+def at_next_drain(daemon: LoggedDaemon, timeout: float = 60) -> tuple[float, float, float]:
+    """(when, samples recorded, samples lost) at the daemon's next drain. Its
+    counters move only at a drain, so rates are taken between two drains
+    seen as they happen (to a quarter second), not over the wall-clock
+    window: that would count up to an interval's samples too few."""
+    count, deadline = drain_count(daemon)[0], time.monotonic() + timeout
+    while True:
+        m = daemon.metrics("tramprof_drains_total", "tramprof_perf_events_total")
+        if m[("tramprof_drains_total", ())] != count:
+            return (time.monotonic(), m[("tramprof_perf_events_total", (("outcome", "recorded"),))],
+                    m[("tramprof_perf_events_total", (("outcome", "lost"),))])
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"no drain of {daemon.label or 'the daemon'} in {timeout} s")
+        time.sleep(0.25)
+
+
 class StoreFilling:
     """Whether the windows kept for /profile still grow: until they reach
     the retention or their memory bound, the daemon's memory grows with them
@@ -481,9 +497,8 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     # drain, so the window starts after the render's memory could go back.
     for daemon, result in zip(daemons, results, strict=True):
         result.renders = render_profiles(daemon)
-    for daemon in daemons:
-        next_drain(daemon)
-    before = [daemon.metrics("tramprof_perf_events_total", "tramprof_stacks_named_total",
+    first_drain = [at_next_drain(daemon) for daemon in daemons]
+    before = [daemon.metrics("tramprof_stacks_named_total",
                              *HEAP_COLLECTIONS, TABLE_BUILDS, STAGE_CPU, ADDRESS_CACHE,
                              ADDRESS_CACHE_EVICTIONS, NEW_PROCESSES, SCHEDULER_SLICE)
               for daemon in daemons]
@@ -521,12 +536,16 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
     # Everything of the window is read before any daemon's scrapes and windows.
     rss = [(daemon.status("VmHWM"), daemon.status("VmRSS")) for daemon in daemons]
     after = [daemon.metrics() for daemon in daemons]
+    last_drain = [at_next_drain(daemon) for daemon in daemons]
     for at, daemon in enumerate(daemons):
         results[at].rss_peak, results[at].rss_steady = rss[at]
         results[at] = _finish(results[at], daemon, args, t1 - t0, cpu1[at] - cpu0[at],
                               main1[at] - main0[at], rss0[at], drains[at], before[at],
                               after[at])
         results[at].run_queue = run_queue
+        (began, recorded0, lost0), (ended, recorded1, lost1) = first_drain[at], last_drain[at]
+        results[at].recorded_per_s = (recorded1 - recorded0) / (ended - began)
+        results[at].lost = lost1 - lost0
         results[at].children_cpu_percent = (children1[at] - children0[at]) / (t1 - t0) * 100
         results[at].host_busy_cpus = ((busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
                                       * (os.cpu_count() or 1))
@@ -555,11 +574,6 @@ def _finish(result: Result, daemon: LoggedDaemon, args: argparse.Namespace, seco
     if (ADDRESS_CACHE_EVICTIONS, ()) in after and (ADDRESS_CACHE_EVICTIONS, ()) in before:
         result.address_evictions = (after[(ADDRESS_CACHE_EVICTIONS, ())]
                                     - before[(ADDRESS_CACHE_EVICTIONS, ())])
-    events = {dict(k[1]).get("outcome"): v for k, v in after.items()
-              if k[0] == "tramprof_perf_events_total"}
-    old = {dict(k[1]).get("outcome"): v for k, v in before.items()}
-    result.recorded_per_s = (events["recorded"] - old["recorded"]) / seconds
-    result.lost = events["lost"] - old["lost"]
     named = {dict(k[1]).get("how"): v - before.get(k, 0.0) for k, v in after.items()
              if k[0] == "tramprof_stacks_named_total"}
     if named:  # (older builds do not tell)
