@@ -402,13 +402,13 @@ def drain_count(daemon: LoggedDaemon) -> tuple[float, float]:
     return m[("tramprof_drains_total", ())], m[("tramprof_drain_duration_seconds", ())]
 
 
-def next_drain(daemon: LoggedDaemon, timeout: float = 60) -> bool:
+def next_drain(daemon: LoggedDaemon, timeout: float = 60, poll: float = 0.5) -> bool:
     """Wait for the daemon's next drain; False if none came in ``timeout`` s."""
     count, deadline = drain_count(daemon)[0], time.monotonic() + timeout
     while drain_count(daemon)[0] == count:
         if time.monotonic() >= deadline:
             return False
-        time.sleep(0.5)
+        time.sleep(poll)
     return True
 
 
@@ -417,15 +417,12 @@ def at_next_drain(daemon: LoggedDaemon, timeout: float = 60) -> tuple[float, flo
     counters move only at a drain, so rates are taken between two drains
     seen as they happen (to a quarter second), not over the wall-clock
     window: that would count up to an interval's samples too few."""
-    count, deadline = drain_count(daemon)[0], time.monotonic() + timeout
-    while True:
-        m = daemon.metrics("tramprof_drains_total", "tramprof_perf_events_total")
-        if m[("tramprof_drains_total", ())] != count:
-            return (time.monotonic(), m[("tramprof_perf_events_total", (("outcome", "recorded"),))],
-                    m[("tramprof_perf_events_total", (("outcome", "lost"),))])
-        if time.monotonic() >= deadline:
-            raise RuntimeError(f"no drain of {daemon.label or 'the daemon'} in {timeout} s")
-        time.sleep(0.25)
+    if not next_drain(daemon, timeout, poll=0.25):
+        raise RuntimeError(f"no drain of {daemon.label or 'the daemon'} in {timeout} s")
+    seen = time.monotonic()
+    m = daemon.metrics("tramprof_perf_events_total")
+    return (seen, m[("tramprof_perf_events_total", (("outcome", "recorded"),))],
+            m[("tramprof_perf_events_total", (("outcome", "lost"),))])
 
 
 class StoreFilling:
