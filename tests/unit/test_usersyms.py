@@ -121,6 +121,7 @@ def _symbolizer(
     proc_root: str = "/proc",
     anon_resolver: Callable[[Mapping, int], str | None] | None = None,
     maps_refresh_interval: float = 1.0,
+    horizon: SampleHorizon | None = None,
 ) -> ProcessSymbolizer:
     return ProcessSymbolizer(
         pid,
@@ -129,6 +130,7 @@ def _symbolizer(
         proc_root=proc_root,
         anon_resolver=anon_resolver,
         maps_refresh_interval=maps_refresh_interval,
+        horizon=horizon,
     )
 
 
@@ -639,9 +641,8 @@ def test_maps_read_before_the_samples_were_taken_are_read_again_at_a_miss() -> N
     found: a read from before the samples answers a miss with one re-read,
     whatever the interval, and a read from after them waits for it."""
     horizon = SampleHorizon()
-    sym = ProcessSymbolizer(os.getpid(), ElfCache(), SymbolizationStats(),
-                            anon_resolver=lambda _m, _a: "jit:made_since",
-                            maps_refresh_interval=3600.0, horizon=horizon)
+    sym = _symbolizer(os.getpid(), anon_resolver=lambda _m, _a: "jit:made_since",
+                      maps_refresh_interval=3600.0, horizon=horizon)
     assert sym.mappings  # read before the region exists
     region = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
     try:
