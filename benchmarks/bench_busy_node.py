@@ -43,7 +43,9 @@ slice is shown too) and the main thread's process-events CPU per new one
 (side by side, the daemon that reads a new process's /proc files second
 finds them cache-warm); then full ``/metrics`` scrape latency (OpenMetrics
 and gzip, as Prometheus asks) and
-the distinct folded stacks of single drained windows.
+the distinct folded stacks of single drained windows; and the sampling
+program's own cost in the kernel, paid in the sampled processes (bpf_stats,
+which the daemon turns on as root: microseconds a run and % of one core).
 
 Every worker runs in one process group that is killed on exit, failure or
 Ctrl-C, and dies with this script anyway (``PR_SET_PDEATHSIG``).
@@ -109,6 +111,10 @@ SCHEDULER_SLICE = "tramprof_scheduler_slice_seconds"
 ADDRESS_CACHE = "tramprof_address_cache_entries"
 #: Processes whose address caches were emptied to keep all within their bound.
 ADDRESS_CACHE_EVICTIONS = "tramprof_address_cache_evictions_total"
+#: The sampling program's kernel run time and runs (bpf_stats, which the
+#: daemon turns on while it runs as root).
+BPF_RUN_SECONDS = "tramprof_bpf_run_time_seconds_total"
+BPF_RUNS = "tramprof_bpf_runs_total"
 TARGETS = {99: {"cpu": 1.0, "drain_ms": 200.0, "rss_mib": 150.0}}
 FUNCTIONS = 300
 PERIOD_S = 0.25
@@ -379,6 +385,9 @@ class Result:
     stages_percent: dict[str, float] = field(default_factory=dict)
     window_s: float = 0.0
     lost: float = 0.0
+    # The sampling program in the kernel: (us a run, % of one core), between
+    # the same two drains as recorded_per_s (None: not accounted).
+    bpf: tuple[float, float] | None = None
     series: float = 0.0
     processes: float = 0.0
 
@@ -412,17 +421,31 @@ def next_drain(daemon: LoggedDaemon, timeout: float = 60, poll: float = 0.5) -> 
     return True
 
 
-def at_next_drain(daemon: LoggedDaemon, timeout: float = 60) -> tuple[float, float, float]:
-    """(when, samples recorded, samples lost) at the daemon's next drain. Its
-    counters move only at a drain, so rates are taken between two drains
-    seen as they happen (to a quarter second), not over the wall-clock
-    window: that would count up to an interval's samples too few."""
+@dataclass
+class DrainMark:
+    """The daemon's counters at one drain, and when it was seen."""
+    seen: float
+    recorded: float
+    lost: float
+    # The sampling program's kernel run time (ns) and runs (None: the kernel
+    # does not account them, or the build does not tell).
+    bpf_ns: float | None
+    bpf_runs: float | None
+
+
+def at_next_drain(daemon: LoggedDaemon, timeout: float = 60) -> DrainMark:
+    """The daemon's counters at its next drain. They move only at a drain,
+    so rates are taken between two drains seen as they happen (to a quarter
+    second), not over the wall-clock window: that would count up to an
+    interval's samples too few."""
     if not next_drain(daemon, timeout, poll=0.25):
         raise RuntimeError(f"no drain of {daemon.label or 'the daemon'} in {timeout} s")
     seen = time.monotonic()
-    m = daemon.metrics("tramprof_perf_events_total")
-    return (seen, m[("tramprof_perf_events_total", (("outcome", "recorded"),))],
-            m[("tramprof_perf_events_total", (("outcome", "lost"),))])
+    m = daemon.metrics("tramprof_perf_events_total", BPF_RUN_SECONDS, BPF_RUNS)
+    bpf_seconds, runs = m.get((BPF_RUN_SECONDS, ())), m.get((BPF_RUNS, ()))
+    return DrainMark(seen, m[("tramprof_perf_events_total", (("outcome", "recorded"),))],
+                     m[("tramprof_perf_events_total", (("outcome", "lost"),))],
+                     None if bpf_seconds is None else bpf_seconds * 1e9, runs)
 
 
 class StoreFilling:
@@ -540,9 +563,15 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
                               main1[at] - main0[at], rss0[at], drains[at], before[at],
                               after[at])
         results[at].run_queue = run_queue
-        (began, recorded0, lost0), (ended, recorded1, lost1) = first_drain[at], last_drain[at]
-        results[at].recorded_per_s = (recorded1 - recorded0) / (ended - began)
-        results[at].lost = lost1 - lost0
+        began, ended = first_drain[at], last_drain[at]
+        results[at].recorded_per_s = (ended.recorded - began.recorded) / (ended.seen - began.seen)
+        results[at].lost = ended.lost - began.lost
+        if (began.bpf_ns is not None and ended.bpf_ns is not None and began.bpf_runs is not None
+                and ended.bpf_runs is not None and ended.bpf_runs > began.bpf_runs):
+            runs = ended.bpf_runs - began.bpf_runs
+            results[at].bpf = ((ended.bpf_ns - began.bpf_ns) / runs / 1e3,
+                               (ended.bpf_ns - began.bpf_ns) / 1e9 / (ended.seen - began.seen)
+                               * 100)
         results[at].children_cpu_percent = (children1[at] - children0[at]) / (t1 - t0) * 100
         results[at].host_busy_cpus = ((busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
                                       * (os.cpu_count() or 1))
@@ -736,6 +765,10 @@ def report(results: list[Result]) -> None:
     row("daemon CPU per sample recorded, us",
         [f"{r.cpu_percent / 100 / r.recorded_per_s * 1e6:.0f}" if r.recorded_per_s else "n/a"
          for r in results])
+    # Spent in the sampled processes, not in the daemon: the kernel's own
+    # accounting of the program (bpf_stats).
+    row("BPF program us / run, % of one core", [
+        "n/a" if r.bpf is None else f"{r.bpf[0]:.2f}, {r.bpf[1]:.2f}" for r in results])
     row("stacks found again (not named)", ["n/a" if r.stacks_reused is None
                                            else f"{r.stacks_reused:.1%}" for r in results])
     row("samples lost in window", [f"{r.lost:.0f}" for r in results])
