@@ -4,6 +4,7 @@ name the frames of sleeping processes."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,10 +36,16 @@ def install_trampolines() -> dict[str, str]:
     base = Path(tempfile.mkdtemp(prefix="tramprof-bench-userbase-"))
     env = {**os.environ, "PYTHONUSERBASE": str(base), "PIP_BREAK_SYSTEM_PACKAGES": "1",
            "PIP_ROOT_USER_ACTION": "ignore"}
-    subprocess.run(["/usr/bin/python3", "-m", "pip", "install", "-q", "--user",
-                    "--no-build-isolation", "--no-deps", "--disable-pip-version-check",
-                    str(HERE.parent / "trampolines")], check=True, env=env,
-                   cwd=str(base))
+    try:
+        subprocess.run(["/usr/bin/python3", "-m", "pip", "install", "-q", "--user",
+                        "--no-build-isolation", "--no-deps", "--disable-pip-version-check",
+                        str(HERE.parent / "trampolines")], check=True, env=env,
+                       cwd=str(base))
+    except subprocess.CalledProcessError as exc:
+        shutil.rmtree(base, ignore_errors=True)
+        raise SystemExit("building the trampoline runtime for /usr/bin/python3 failed (pip's "
+                         "output above; it needs cffi and the Python headers, which `make "
+                         "bench` installs with the test packages)") from exc
     return {**env, "TRAMPROF_TRAMPOLINES": "1"}
 
 
