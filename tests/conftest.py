@@ -29,6 +29,25 @@ requires_root = pytest.mark.skipif(
     not IS_ROOT, reason="needs root: loads BPF programs and reads other processes' memory")
 
 
+@pytest.fixture
+def sleepers() -> Iterator[list[int]]:
+    """Two running ``sleep`` programs (pids), their libraries mapped."""
+    from tramprof.procfs.maps import read_maps
+
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        for p in procs:  # the dynamic loader maps libc just after exec
+            deadline = time.monotonic() + 5
+            while not any(m.basename.startswith("libc.so") for m in read_maps(p.pid)):
+                assert time.monotonic() < deadline, "sleep never mapped libc"
+                time.sleep(0.01)
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 @pytest.fixture(scope="session")
 def targets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every tests/targets/*.c built with frame pointers, -O2."""

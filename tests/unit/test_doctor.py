@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import time
 from pathlib import Path
 
 from tramprof import speedups
@@ -50,27 +48,14 @@ def test_btf_failure_says_what_to_do(tmp_path):
     assert not check.ok and "CONFIG_DEBUG_INFO_BTF" in check.fix
 
 
-def _asleep(pid: int) -> bool:
-    """Whether ``pid`` sleeps: past its loader, its libraries are all mapped."""
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return state == "S"
-
-
-def test_process_checks_on_a_running_process_and_on_a_missing_pid():
+def test_process_checks_on_a_running_process_and_on_a_missing_pid(sleepers: list[int]):
     # A small program, not the test process: this one maps bcc's LLVM, whose
     # unwind table alone takes the native check over a minute to compile.
-    sleeper = subprocess.Popen(["sleep", "60"])
-    try:
-        deadline = time.monotonic() + 10
-        while not _asleep(sleeper.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        maps = Path(f"/proc/{sleeper.pid}/maps").read_text().splitlines()
-        files = sum(1 for line in maps
-                    if line.split()[1][2] == "x" and line.split()[-1].startswith("/"))
-        checks = doctor.check_process(sleeper.pid)
-    finally:
-        sleeper.kill()
-        sleeper.wait()
+    pid = sleepers[0]
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    files = sum(1 for line in maps
+                if line.split()[1][2] == "x" and line.split()[-1].startswith("/"))
+    checks = doctor.check_process(pid)
     assert files >= 2  # sleep and the C library at least
     assert checks[0].ok and checks[0].detail.startswith(f"{files} executable file mappings,")
     missing = doctor.check_process(2**22 + 1)

@@ -5,8 +5,7 @@ recording writer)."""
 from __future__ import annotations
 
 import subprocess
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -50,22 +49,6 @@ class RecordingWriter:
 
     def remove_unwind_process(self, tgid: int) -> None:
         self.processes.pop(tgid, None)
-
-
-@pytest.fixture
-def sleepers() -> Iterator[list[int]]:
-    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
-    try:
-        for p in procs:  # the dynamic loader maps libc just after exec
-            deadline = time.monotonic() + 5
-            while not any(m.basename.startswith("libc.so") for m in read_maps(p.pid)):
-                assert time.monotonic() < deadline, "sleep never mapped libc"
-                time.sleep(0.01)
-        yield [p.pid for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def libc(mappings: list[Mapping]) -> Mapping:
