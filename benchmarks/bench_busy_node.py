@@ -429,8 +429,7 @@ class DrainMark:
     lost: float
     # The sampling program's kernel run time (ns) and runs (None: the kernel
     # does not account them, or the build does not tell).
-    bpf_ns: float | None
-    bpf_runs: float | None
+    bpf: tuple[float, float] | None
 
 
 def at_next_drain(daemon: LoggedDaemon, timeout: float = 60) -> DrainMark:
@@ -445,7 +444,7 @@ def at_next_drain(daemon: LoggedDaemon, timeout: float = 60) -> DrainMark:
     bpf_seconds, runs = m.get((BPF_RUN_SECONDS, ())), m.get((BPF_RUNS, ()))
     return DrainMark(seen, m[("tramprof_perf_events_total", (("outcome", "recorded"),))],
                      m[("tramprof_perf_events_total", (("outcome", "lost"),))],
-                     None if bpf_seconds is None else bpf_seconds * 1e9, runs)
+                     None if bpf_seconds is None or runs is None else (bpf_seconds * 1e9, runs))
 
 
 class StoreFilling:
@@ -566,12 +565,9 @@ def measure(frequency: int, daemons: list[LoggedDaemon], args: argparse.Namespac
         began, ended = first_drain[at], last_drain[at]
         results[at].recorded_per_s = (ended.recorded - began.recorded) / (ended.seen - began.seen)
         results[at].lost = ended.lost - began.lost
-        if (began.bpf_ns is not None and ended.bpf_ns is not None and began.bpf_runs is not None
-                and ended.bpf_runs is not None and ended.bpf_runs > began.bpf_runs):
-            runs = ended.bpf_runs - began.bpf_runs
-            results[at].bpf = ((ended.bpf_ns - began.bpf_ns) / runs / 1e3,
-                               (ended.bpf_ns - began.bpf_ns) / 1e9 / (ended.seen - began.seen)
-                               * 100)
+        if began.bpf is not None and ended.bpf is not None and ended.bpf[1] > began.bpf[1]:
+            ns, runs = ended.bpf[0] - began.bpf[0], ended.bpf[1] - began.bpf[1]
+            results[at].bpf = (ns / runs / 1e3, ns / 1e9 / (ended.seen - began.seen) * 100)
         results[at].children_cpu_percent = (children1[at] - children0[at]) / (t1 - t0) * 100
         results[at].host_busy_cpus = ((busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
                                       * (os.cpu_count() or 1))
