@@ -347,7 +347,12 @@ def test_the_main_loop_waits_with_its_scheduler_slice(daemon, tmp_path):
     assert value(d.wait_for_drains(1), "tramprof_scheduler_slice_seconds") == 0.0005
     others = {int(tid) for tid in os.listdir(f"/proc/{main}/task")} - {main}
     assert others, "the HTTP server's threads"
-    assert {thread_slice(tid) for tid in others} == {default}
+    slices = {tid: thread_slice(tid) for tid in others}
+    # A thread may exit between the listing and its question (it then
+    # answers None): every thread still there must have the default.
+    live = {tid: got for tid, got in slices.items() if os.path.exists(f"/proc/{main}/task/{tid}")}
+    assert live, "the HTTP server's threads"
+    assert set(live.values()) == {default}
     drains = value(d.metrics(), "tramprof_drains_total")
     seen = _slices_seen(main, 3.0)
     drains = value(d.metrics(), "tramprof_drains_total") - drains
